@@ -1,0 +1,138 @@
+"""Ragged attention over packed sequences: one call, three backends.
+
+Every backend computes softmax(q k^T / sqrt(d)) v inside each sequence of a packed batch (cu_seqlens
+gives the boundaries), with no padding and no KV cache:
+- "sdpa": torch's scaled_dot_product_attention once per sequence. Exact, runs anywhere; the CPU
+  path and the test oracle. Its Python loop over sequences rules it out of CUDA graphs.
+- "varlen": torch.nn.attention.varlen.varlen_attn, PyTorch's built-in FlashAttention-2. CUDA only,
+  any head_dim, graph-capturable once max_seqlen is fixed per bucket.
+- "flashinfer": FlashInfer's ragged prefill (fa3 on Hopper). head_dim 64/128/256 only; needs a host
+  side plan() per batch, which the engine runs before launching or replaying the batch.
+choose_backend() picks one per model; the rule and the measurements behind it are written there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import UserError
+
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass
+class AttentionLayout:
+    """Where each sequence of a batch starts and ends, on the device and on the host."""
+
+    cu_seqlens: torch.Tensor  # int32 [slots + 1] on the model's device
+    cu_seqlens_host: list[int]
+    max_seqlen: int
+
+
+class SdpaAttention:
+    """Exact attention, one scaled_dot_product_attention per sequence."""
+
+    name = "sdpa"
+
+    def __init__(self, causal: bool = False) -> None:
+        self.causal = causal
+        self.layout: AttentionLayout | None = None
+
+    def plan(self, layout: AttentionLayout) -> None:
+        self.layout = layout
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        bounds = self.layout.cu_seqlens_host
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end > start:
+                # [L, heads, d] -> [heads, L, d]
+                seq = [t[start:end].transpose(0, 1) for t in (q, k, v)]
+                out[start:end] = F.scaled_dot_product_attention(*seq, is_causal=self.causal).transpose(0, 1)
+        return out
+
+
+class VarlenAttention:
+    """PyTorch's FlashAttention-2 varlen kernel; reads cu_seqlens from device memory, so it replays."""
+
+    name = "varlen"
+
+    def __init__(self, causal: bool = False) -> None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        self.varlen_attn = varlen_attn
+        self.window = (-1, 0) if causal else (-1, -1)
+        self.layout: AttentionLayout | None = None
+
+    def plan(self, layout: AttentionLayout) -> None:
+        self.layout = layout
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        layout = self.layout
+        return self.varlen_attn(q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.max_seqlen,
+                                layout.max_seqlen, window_size=self.window)
+
+
+class FlashInferAttention:
+    """FlashInfer's ragged prefill. plan() is host work (about 0.3 ms) and must precede every run.
+
+    In graph mode the wrapper owns fixed index buffers of `slots + 1` entries, so one instance serves
+    one graph bucket; unused slots are zero-length sequences.
+    """
+
+    name = "flashinfer"
+
+    def __init__(self, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 causal: bool = False, slots: int | None = None) -> None:
+        import flashinfer
+
+        self.num_heads, self.head_dim, self.dtype, self.causal = num_heads, head_dim, dtype, causal
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+        if slots is None:
+            self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+        else:
+            self.indptr = torch.zeros(slots + 1, dtype=torch.int32, device=device)
+            self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.indptr, kv_indptr_buf=self.indptr)
+
+    def plan(self, layout: AttentionLayout) -> None:
+        indptr = torch.tensor(layout.cu_seqlens_host, dtype=torch.int32)
+        self.wrapper.plan(indptr, indptr, self.num_heads, self.num_heads, self.head_dim,
+                          causal=self.causal, q_data_type=self.dtype)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.wrapper.run(q, k, v)
+
+
+def flashinfer_available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
+    """The backend name for a model, from the user's request and what this machine can run.
+
+    On the CPU only sdpa exists. On a GPU, "auto" takes FlashInfer where its kernels cover the
+    head_dim (64/128/256) and it is installed, and varlen_attn otherwise (MiniLM's head_dim 32,
+    machines without flashinfer). That order follows the measurements in bench/results: FlashInfer's
+    fa3 kernel is the faster one at large batches on Hopper.
+    """
+    if device.type != "cuda":
+        if requested not in ("auto", "sdpa"):
+            raise UserError(f"attention backend {requested!r} needs a CUDA GPU; use --attention sdpa on the CPU")
+        return "sdpa"
+    if requested == "flashinfer":
+        if head_dim not in FLASHINFER_HEAD_DIMS:
+            raise UserError(f"FlashInfer does not support head_dim {head_dim}; use --attention varlen")
+        if not flashinfer_available():
+            raise UserError("--attention flashinfer needs the flashinfer-python package; pip install 'embedctl[gpu]'")
+        return "flashinfer"
+    if requested == "auto":
+        return "flashinfer" if head_dim in FLASHINFER_HEAD_DIMS and flashinfer_available() else "varlen"
+    return requested

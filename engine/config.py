@@ -1,0 +1,69 @@
+"""EngineConfig: every knob of the runtime in one frozen value, checked once when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flashinfer")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to run a model. None means "decide from the hardware or the model's own files".
+
+    device: "cpu", "cuda" or "cuda:N"; None picks CUDA when there is a GPU.
+    dtype: float32, bfloat16 or float16 (or fp32/bf16/fp16); None is bf16 on a GPU, fp32 on a CPU.
+    max_batch_tokens / max_seqs: the packer's budget per engine step (tokens, sequences).
+    cuda_graphs: whole-model CUDA graphs per token bucket, captured lazily (GPU only).
+    warmup: capture every bucket's graph at load instead of on the second hit.
+    attention: backend name; "auto" picks per model and device (engine.attention says how).
+    normalize: L2-normalise outputs; None follows the model's sentence-transformers modules.
+    dim: keep the first `dim` components (Matryoshka), then re-normalise if normalising.
+    max_length: truncate inputs to this many tokens; None follows the model's config.
+    pinned_slots: page-locked host buffers in the readback ring (batches in flight).
+    """
+
+    device: str | None = None
+    dtype: str | None = None
+    max_batch_tokens: int = 16384
+    max_seqs: int = 512
+    cuda_graphs: bool = True
+    warmup: bool = False
+    attention: str = "auto"
+    normalize: bool | None = None
+    dim: int | None = None
+    max_length: int | None = None
+    pinned_slots: int = 4
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:
+            raise UserError(f"unknown dtype {self.dtype!r}; use one of bf16, fp16, fp32")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise UserError(f"unknown attention backend {self.attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.max_batch_tokens < 1 or self.max_seqs < 1:
+            raise UserError("--max-batch-tokens and --max-seqs must be at least 1")
+        if self.dim is not None and self.dim < 1:
+            raise UserError(f"--dim must be a positive number of components, not {self.dim}")
+        if self.max_length is not None and self.max_length < 2:
+            raise UserError(f"--max-length must be at least 2 (room for the special tokens), not {self.max_length}")
+        if self.pinned_slots < 2:
+            raise UserError("pinned_slots must be at least 2 so one batch can be read back while the next runs")
+
+    def torch_device(self) -> torch.device:
+        if self.device is not None:
+            device = torch.device(self.device)
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise UserError(f"--device {self.device} asked for a GPU but CUDA is not available here; use --device cpu")
+            return device
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is None:
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[DTYPE_ALIASES.get(self.dtype, self.dtype)]

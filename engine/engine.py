@@ -1,0 +1,134 @@
+"""Engine: a loaded model on one device, turning packed batches into vectors.
+
+step(batch) enqueues the whole model (embeddings, layers, pooling, normalisation) for one
+PackedBatch and returns a LazyTensor at once; on a GPU through lazily captured CUDA graphs
+(engine.graphs) with readback through a pinned ring (engine.lazy), on the CPU eagerly with exact
+per-sequence attention. The same model code runs on both. embed() is the convenience for callers
+that just want vectors for a list of token-id sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionLayout, FlashInferAttention, SdpaAttention, VarlenAttention, choose_backend
+from engine.batch import Packer, PackedBatch
+from engine.checkpoint import ModelFiles, load_weights, position_offset, resolve_model, weights_digest
+from engine.config import EngineConfig
+from engine.errors import UserError
+from engine.graphs import GraphRunner, GraphStats
+from engine.lazy import LazyTensor, PinnedRing
+from engine.models.bert import BertConfig, BertModel
+from engine.pooling import finish, pool
+
+BERT_FAMILY = ("bert", "roberta", "xlm-roberta")
+
+
+class Engine:
+    def __init__(self, model: BertModel, files: ModelFiles, config: EngineConfig, device: torch.device) -> None:
+        self.model = model
+        self.files = files
+        self.config = config
+        self.device = device
+        self.dtype = next(model.parameters()).dtype
+        self.pooling = files.pooling
+        self.normalize = files.normalize if config.normalize is None else config.normalize
+        hidden = model.config.hidden_size
+        if config.dim is not None and config.dim > hidden:
+            raise UserError(f"--dim {config.dim} is larger than the model's {hidden} dimensions; pick at most {hidden}")
+        self.dim = config.dim or hidden
+        positions = model.config.max_position_embeddings - model.config.position_offset
+        self.max_length = min(config.max_length or files.max_length, positions)
+        if self.max_length > config.max_batch_tokens:
+            raise UserError(f"--max-batch-tokens {config.max_batch_tokens} is smaller than the max length "
+                            f"{self.max_length}; raise it or lower --max-length")
+        self.attention = choose_backend(config.attention, device, model.head_dim)
+        self.runner: GraphRunner | None = None
+        if device.type == "cuda":
+            self.runner = GraphRunner(self.forward, self._make_attention, config.max_batch_tokens, config.max_seqs,
+                                      self.max_length, device, config.cuda_graphs)
+            self.ring = PinnedRing(config.pinned_slots, config.max_seqs, self.dim)
+            if config.warmup and config.cuda_graphs:
+                with torch.inference_mode():
+                    self.runner.capture_all(config.max_batch_tokens)
+        else:
+            self.cpu_attention = SdpaAttention()
+
+    @classmethod
+    def load(cls, model: str | None = None, config: EngineConfig | None = None) -> Engine:
+        """Load `model` (a directory, a hub id, or None for the default all-MiniLM-L6-v2)."""
+        config = config or EngineConfig()
+        files = resolve_model(model)
+        model_type = files.config.get("model_type")
+        if model_type not in BERT_FAMILY:
+            raise UserError(f"model type {model_type!r} is not supported yet; embedctl runs {', '.join(BERT_FAMILY)} models")
+        device = config.torch_device()
+        network = BertModel(BertConfig.from_hf(files.config, position_offset(files.config)))
+        network.load_hf_weights(load_weights(files.path))
+        network.requires_grad_(False)
+        network.to(device=device, dtype=config.torch_dtype(device)).eval()
+        return cls(network, files, config, device)
+
+    def forward(self, inputs: torch.Tensor, tokens: int, slots: int, attention: object) -> torch.Tensor:
+        """The whole model on inputs laid out by PackedBatch.write_inputs -> float32 [slots, dim]."""
+        input_ids, positions, token_types, seq_ids = inputs[: 4 * tokens].view(4, tokens)
+        cu_seqlens = inputs[4 * tokens: 4 * tokens + slots + 1]
+        hidden = self.model(input_ids, positions, token_types, attention)
+        return finish(pool(hidden, seq_ids, cu_seqlens, self.pooling), self.config.dim, self.normalize)
+
+    @torch.inference_mode()
+    def step(self, batch: PackedBatch) -> LazyTensor:
+        """Enqueue one batch; the LazyTensor resolves to float32 [batch.num_seqs, dim] in batch order."""
+        if batch.max_seqlen > self.max_length:
+            raise UserError(f"a sequence of {batch.max_seqlen} tokens is longer than the model's max length "
+                            f"{self.max_length}; truncate it first")
+        if self.runner is not None:
+            return self.ring.readback(self.runner.run(batch), batch.num_seqs)
+        tokens, seqs = batch.num_tokens, batch.num_seqs
+        inputs = np.empty(4 * tokens + seqs + 1, dtype=np.int32)
+        batch.write_inputs(inputs, tokens, seqs)
+        inputs_t = torch.from_numpy(inputs)
+        self.cpu_attention.plan(AttentionLayout(inputs_t[4 * tokens:], batch.cu_seqlens.tolist(), batch.max_seqlen))
+        return LazyTensor.done(self.forward(inputs_t, tokens, seqs, self.cpu_attention).numpy())
+
+    def embed(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
+        """Vectors for token-id sequences, float32 [len(sequences), dim], in input order."""
+        packer = Packer(self.config.max_batch_tokens, self.config.max_seqs)
+        pending = []
+        for index, ids in enumerate(sequences):
+            if (batch := packer.add(ids, index)) is not None:
+                pending.append(self.step(batch))
+        if (batch := packer.flush()) is not None:
+            pending.append(self.step(batch))
+        if not pending:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return np.concatenate([lazy.result() for lazy in pending])
+
+    @property
+    def stats(self) -> GraphStats:
+        return self.runner.stats if self.runner is not None else GraphStats()
+
+    @cached_property
+    def weights_sha256(self) -> str:
+        return weights_digest(self.files.path)
+
+    def settings(self) -> dict[str, str]:
+        """What decides the vectors: recorded with every output so a mismatch can be caught later."""
+        return {
+            "model": self.files.name,
+            "weights_sha256": self.weights_sha256,
+            "dim": str(self.dim),
+            "pooling": self.pooling,
+            "normalize": str(self.normalize).lower(),
+            "max_length": str(self.max_length),
+        }
+
+    def _make_attention(self, slots: int | None) -> object:
+        causal = False
+        if self.attention == "flashinfer":
+            return FlashInferAttention(self.model.num_heads, self.model.head_dim, self.dtype, self.device, causal, slots)
+        return VarlenAttention(causal)

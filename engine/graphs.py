@@ -1,0 +1,144 @@
+"""Whole-model CUDA graphs per token-count bucket, captured lazily, replayed from then on.
+
+A batch's token count is padded up to a bucket (multiples of 64 up to 1,024, then of 256) and its
+sequence count to the bucket's slots, so one graph serves every batch of that bucket. The first hit
+of a bucket runs eagerly on the exact batch, the second captures and replays, later hits replay:
+capture cost is spread over traffic instead of paid at start (warmup=True pays it at start).
+All graphs share one memory pool. Inputs reach the device through two alternating page-locked
+staging buffers and one copy per batch; the graph reads them from fixed device addresses.
+Not here: the model, attention kernels, readback (engine.lazy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionLayout
+from engine.batch import PackedBatch
+
+SMALL_STEP, LARGE_STEP, SMALL_LIMIT = 64, 256, 1024
+
+# (inputs, tokens, slots, attention) -> [slots, dim] float32; see Engine.forward.
+Forward = Callable[[torch.Tensor, int, int, object], torch.Tensor]
+
+
+def bucket_for(tokens: int) -> int:
+    step = SMALL_STEP if tokens <= SMALL_LIMIT else LARGE_STEP
+    return -(-tokens // step) * step
+
+
+def all_buckets(max_tokens: int) -> list[int]:
+    buckets, tokens = [], SMALL_STEP
+    while tokens <= bucket_for(max_tokens):
+        buckets.append(tokens)
+        tokens += SMALL_STEP if tokens < SMALL_LIMIT else LARGE_STEP
+    return buckets
+
+
+@dataclass
+class GraphStats:
+    eager_runs: int = 0
+    captures: int = 0
+    replays: int = 0
+    capture_seconds: float = 0.0
+
+
+@dataclass
+class _Bucket:
+    tokens: int
+    slots: int
+    attention: object
+    hits: int = 0
+    graph: torch.cuda.CUDAGraph | None = None
+    output: torch.Tensor | None = None
+
+
+class GraphRunner:
+    """Runs packed batches on one CUDA device, through graphs where it can."""
+
+    def __init__(self, forward: Forward, make_attention: Callable[[int | None], object], max_tokens: int,
+                 max_seqs: int, max_seqlen: int, device: torch.device, use_graphs: bool) -> None:
+        self.forward = forward
+        self.make_attention = make_attention
+        self.max_seqs = max_seqs
+        self.max_seqlen = max_seqlen
+        self.device = device
+        self.use_graphs = use_graphs
+        self.stats = GraphStats()
+        size = 4 * bucket_for(max_tokens) + max_seqs + 1
+        self.staging = [torch.empty(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.staged = [torch.cuda.Event() for _ in self.staging]
+        self.turn = 0
+        self.inputs = torch.zeros(size, dtype=torch.int32, device=device)
+        self.eager_attention = make_attention(None)
+        self.buckets: dict[int, _Bucket] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def run(self, batch: PackedBatch) -> torch.Tensor:
+        """Enqueue the batch; returns the device tensor whose first num_seqs rows are its vectors."""
+        bucket = self._bucket(bucket_for(batch.num_tokens))
+        bucket.hits += 1
+        if not self.use_graphs or bucket.hits == 1:
+            self.stats.eager_runs += 1
+            return self._eager(batch)
+        bucket.attention.plan(self._stage(batch, bucket.tokens, bucket.slots, self._graph_max_seqlen(bucket)))
+        if bucket.graph is None:
+            self._capture(bucket)
+        else:
+            self.stats.replays += 1
+        bucket.graph.replay()
+        return bucket.output
+
+    def capture_all(self, max_tokens: int) -> None:
+        """Capture every bucket now (warm-up), with a dummy batch of one sequence per bucket."""
+        for tokens in all_buckets(max_tokens):
+            bucket = self._bucket(tokens)
+            if bucket.graph is None:
+                length = min(tokens, self.max_seqlen)
+                dummy = PackedBatch.of([np.zeros(length, dtype=np.int32)] * (tokens // length))
+                bucket.attention.plan(self._stage(dummy, bucket.tokens, bucket.slots, self._graph_max_seqlen(bucket)))
+                self._capture(bucket)
+                bucket.hits = 2
+
+    def _bucket(self, tokens: int) -> _Bucket:
+        if tokens not in self.buckets:
+            slots = min(self.max_seqs, tokens)
+            self.buckets[tokens] = _Bucket(tokens, slots, self.make_attention(slots))
+        return self.buckets[tokens]
+
+    def _graph_max_seqlen(self, bucket: _Bucket) -> int:
+        # A graph bakes max_seqlen in at capture, so it must bound every batch the bucket will see.
+        return min(bucket.tokens, self.max_seqlen)
+
+    def _stage(self, batch: PackedBatch, tokens: int, slots: int, max_seqlen: int) -> AttentionLayout:
+        """Copy the batch's inputs to the device; return the attention layout that reads them."""
+        self.turn ^= 1
+        staging, staged = self.staging[self.turn], self.staged[self.turn]
+        # The copy issued from this buffer two batches ago must be done before it is rewritten.
+        staged.synchronize()
+        size = 4 * tokens + slots + 1
+        host = staging.numpy()
+        batch.write_inputs(host, tokens, slots)
+        self.inputs[:size].copy_(staging[:size], non_blocking=True)
+        staged.record()
+        return AttentionLayout(self.inputs[4 * tokens: size], host[4 * tokens: size].tolist(), max_seqlen)
+
+    def _eager(self, batch: PackedBatch) -> torch.Tensor:
+        self.eager_attention.plan(self._stage(batch, batch.num_tokens, batch.num_seqs, batch.max_seqlen))
+        return self.forward(self.inputs, batch.num_tokens, batch.num_seqs, self.eager_attention)
+
+    def _capture(self, bucket: _Bucket) -> None:
+        started = time.perf_counter()
+        # One eager pass at the bucket's shape first, so lazy library setup stays out of the graph.
+        self.forward(self.inputs, bucket.tokens, bucket.slots, bucket.attention)
+        torch.cuda.synchronize(self.device)
+        bucket.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(bucket.graph, pool=self.pool):
+            bucket.output = self.forward(self.inputs, bucket.tokens, bucket.slots, bucket.attention)
+        self.stats.captures += 1
+        self.stats.capture_seconds += time.perf_counter() - started

@@ -1,0 +1,1 @@
+"""Model families over packed token streams, one file per family."""

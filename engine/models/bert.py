@@ -1,0 +1,197 @@
+"""BERT-family encoders (BERT, MiniLM, BGE, E5, GTE-style, XLM-RoBERTa) over packed token streams.
+
+The input is one flat stream of T tokens from many sequences laid back to back, with no padding;
+attention stays inside each sequence through the `attend` function the engine passes in
+(engine.attention). Parameter names are Hugging Face's, so checkpoints load by name; after loading,
+query/key/value are fused into one matrix so each layer runs one QKV GEMM.
+Not here: pooling, normalisation, tokenization, reading files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import UserError
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+# Checkpoints saved from BertModel have no prefix; those saved from task heads nest it.
+PREFIXES = ("bert.", "roberta.", "model.")
+# Tensors a checkpoint may carry that an embedding model never reads.
+UNUSED = ("pooler.", "embeddings.position_ids", "cls.", "lm_head.")
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    hidden_act: str
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    position_offset: int
+
+    @classmethod
+    def from_hf(cls, config: dict, position_offset: int) -> BertConfig:
+        if config.get("hidden_act", "gelu") not in ACTIVATIONS:
+            raise UserError(f"activation {config['hidden_act']!r} is not supported; embedctl knows {', '.join(ACTIVATIONS)}")
+        if config.get("position_embedding_type", "absolute") != "absolute":
+            raise UserError(f"position_embedding_type {config['position_embedding_type']!r} is not supported; only absolute")
+        return cls(
+            vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+            num_hidden_layers=config["num_hidden_layers"], num_attention_heads=config["num_attention_heads"],
+            intermediate_size=config["intermediate_size"], hidden_act=config.get("hidden_act", "gelu"),
+            max_position_embeddings=config.get("max_position_embeddings", 512),
+            type_vocab_size=config.get("type_vocab_size", 2), layer_norm_eps=config.get("layer_norm_eps", 1e-12),
+            position_offset=position_offset,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        return self.LayerNorm(x + self.token_type_embeddings(token_type_ids))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+
+
+class BertOutput(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+        self.qkv: nn.Linear | None = None
+        self.heads = config.num_attention_heads
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def fuse_qkv(self) -> None:
+        """Replace query, key and value by one [3H, H] projection: one GEMM instead of three."""
+        parts = self.attention.self
+        hidden = parts.query.in_features
+        self.qkv = nn.Linear(hidden, 3 * hidden, device=parts.query.weight.device, dtype=parts.query.weight.dtype)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([parts.query.weight, parts.key.weight, parts.value.weight]))
+            self.qkv.bias.copy_(torch.cat([parts.query.bias, parts.key.bias, parts.value.bias]))
+        del self.attention.self
+
+    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        tokens, hidden = x.shape
+        q, k, v = self.qkv(x).view(tokens, 3, self.heads, hidden // self.heads).unbind(1)
+        context = attend(q, k, v).reshape(tokens, hidden)
+        out = self.attention.output
+        x = out.LayerNorm(x + out.dense(context))
+        ffn = self.output
+        return ffn.LayerNorm(x + ffn.dense(self.act(self.intermediate.dense(x))))
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+
+class BertModel(nn.Module):
+    """token ids [T], positions [T], token types [T] -> hidden states [T, hidden_size]."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load a Hugging Face state dict by name; a missing or unknown tensor is an error, never random."""
+        state = {}
+        for name, tensor in weights.items():
+            name = next((name[len(p):] for p in PREFIXES if name.startswith(p)), name)
+            if not name.startswith(UNUSED):
+                state[name] = tensor
+        expected = self.state_dict()
+        missing = sorted(set(expected) - set(state))
+        unknown = sorted(set(state) - set(expected))
+        if missing or unknown:
+            detail = f"missing {missing[:3]}" if missing else f"unexpected {unknown[:3]}"
+            raise UserError(f"the checkpoint does not match a BERT model of this config ({detail}); "
+                            "check that config.json belongs to these weights")
+        for name, tensor in state.items():
+            if tensor.shape != expected[name].shape:
+                raise UserError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config says "
+                                f"{tuple(expected[name].shape)}; check that config.json belongs to these weights")
+        self.load_state_dict(state)
+        for layer in self.encoder.layer:
+            layer.fuse_qkv()
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                attend: Attend) -> torch.Tensor:
+        x = self.embeddings(input_ids, position_ids + self.config.position_offset, token_type_ids)
+        for layer in self.encoder.layer:
+            x = layer(x, attend)
+        return x

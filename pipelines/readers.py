@@ -1,0 +1,352 @@
+"""Streaming corpus reader: Parquet and JSONL shards in, chunks of (id, text) rows out.
+
+A CorpusReader resolves a file, directory or glob (local or any fsspec URL) to .parquet, .jsonl and
+.jsonl.gz files, checks every Parquet schema up front, then yields Chunks of at most chunk_rows rows,
+one at a time, never a whole file. Every problem with the user's files becomes a one-line UserError
+that names the file (and the line for JSONL).
+
+It is not a tokenizer (texts come out as they are, None for null) and it does not deduplicate ids.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from engine.errors import UserError
+
+_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz")
+_GLOB = re.compile(r"[*?\[]")
+
+
+@dataclass
+class Chunk:
+    source: str  # the file as the user would recognise it (path/URL)
+    ids: list[str]
+    texts: list[str | None]
+    lines: list[int]  # 1-based line (JSONL) or row (Parquet) in source, for error messages
+    kept: pa.Table | None  # the --keep columns; the same schema in every chunk of a reader
+
+
+@dataclass
+class _File:
+    path: str  # fsspec path, protocol stripped
+    shown: str  # the user's spelling of it
+    rel: str  # name relative to the given directory: the prefix of generated ids
+    has_id: bool = False  # Parquet only; JSONL decides per line
+    rows: int = 0  # Parquet only, from the footer
+
+
+class CorpusReader:
+    """Iterate a corpus as Chunks; construction resolves and validates the files."""
+
+    def __init__(
+        self,
+        path: str,
+        text_col: str = "text",
+        id_col: str = "id",
+        keep: Sequence[str] = (),
+        chunk_rows: int = 1024,
+    ) -> None:
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+        self.text_col, self.id_col, self.chunk_rows = text_col, id_col, chunk_rows
+        self.keep = list(dict.fromkeys(keep))
+        self._fs, self._files = _resolve(path)
+        self.files: list[str] = [f.shown for f in self._files]
+        # Every chunk's kept table gets one schema so the writer can fix its schema from the first.
+        self._kept_schema: pa.Schema | None = None
+        parquet = [f for f in self._files if f.path.endswith(".parquet")]
+        for f in parquet:
+            kept = self._check_parquet(f)
+            if self.keep:
+                self._kept_schema = _unify(f, self._kept_schema, kept)
+        self.total_rows: int | None = None
+        if len(parquet) == len(self._files):
+            self.total_rows = sum(f.rows for f in parquet)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        for f in self._files:
+            if f.path.endswith(".parquet"):
+                yield from self._read_parquet(f)
+            else:
+                yield from self._read_jsonl(f)
+
+    # Parquet
+
+    def _open_parquet(self, f: _File) -> tuple[IO[bytes], pq.ParquetFile]:
+        try:
+            handle = self._fs.open(f.path, "rb")
+        except OSError as e:
+            raise UserError(f"cannot open {f.shown} ({_short(e)}); check the path and its permissions") from None
+        try:
+            return handle, pq.ParquetFile(handle)
+        except (pa.ArrowException, OSError) as e:
+            handle.close()
+            raise _unreadable_parquet(f, e) from None
+
+    def _check_parquet(self, f: _File) -> pa.Schema:
+        handle, pfile = self._open_parquet(f)
+        with handle:
+            schema, f.rows = pfile.schema_arrow, pfile.metadata.num_rows
+        names = ", ".join(schema.names)
+        if self.text_col not in schema.names:
+            raise UserError(
+                f"{f.shown} has no column '{self.text_col}' (its columns: {names}); "
+                "pass --text-col with the column that holds the text"
+            )
+        text_type = schema.field(self.text_col).type
+        if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
+            raise UserError(
+                f"{f.shown}: column '{self.text_col}' is {text_type}, not a string; "
+                "pass --text-col with a string column"
+            )
+        for col in self.keep:
+            if col not in schema.names:
+                raise UserError(
+                    f"{f.shown} has no column '{col}' for --keep (its columns: {names}); "
+                    "drop it from --keep"
+                )
+        f.has_id = self.id_col in schema.names
+        if f.has_id:
+            id_type = schema.field(self.id_col).type
+            try:
+                pa.array([], type=id_type).cast(pa.string())
+            except pa.ArrowException:
+                raise UserError(
+                    f"{f.shown}: column '{self.id_col}' is {id_type}, which cannot serve as an id; "
+                    "pass --id-col with a string or number column"
+                ) from None
+        return pa.schema([schema.field(c) for c in self.keep])
+
+    def _read_parquet(self, f: _File) -> Iterator[Chunk]:
+        columns = list(dict.fromkeys([self.text_col, *([self.id_col] if f.has_id else []), *self.keep]))
+        handle, pfile = self._open_parquet(f)
+        with handle:
+            batches = pfile.iter_batches(batch_size=self.chunk_rows, columns=columns)
+            row = 1
+            while True:
+                try:
+                    batch = next(batches, None)
+                except (pa.ArrowException, OSError) as e:
+                    raise _unreadable_parquet(f, e) from None
+                if batch is None:
+                    return
+                yield self._parquet_chunk(f, batch, row)
+                row += batch.num_rows
+
+    def _parquet_chunk(self, f: _File, batch: pa.RecordBatch, first_row: int) -> Chunk:
+        lines = list(range(first_row, first_row + batch.num_rows))
+        if f.has_id:
+            id_array = batch.column(self.id_col)
+            if id_array.null_count:
+                bad = lines[pc.index(pc.is_null(id_array), True).as_py()]
+                raise UserError(
+                    f"{f.shown} row {bad}: {self.id_col} is null; give every row an id, "
+                    "or pass --id-col naming a column the file lacks to number rows instead"
+                )
+            ids = id_array.cast(pa.string()).to_pylist()
+        else:
+            ids = [f"{f.rel}:{n}" for n in lines]
+        kept = None
+        if self.keep:
+            kept = pa.Table.from_batches([batch.select(self.keep)])
+            if not kept.schema.equals(self._kept_schema):
+                kept = kept.cast(self._kept_schema)
+        return Chunk(f.shown, ids, batch.column(self.text_col).to_pylist(), lines, kept)
+
+    # JSONL
+
+    def _read_jsonl(self, f: _File) -> Iterator[Chunk]:
+        ids: list[str] = []
+        texts: list[str | None] = []
+        lines: list[int] = []
+        kept_rows: list[dict] = []
+        with self._open_jsonl(f) as handle:
+            for number, raw in _numbered_lines(f, handle):
+                if not raw.strip():
+                    continue
+                row = self._parse_line(f, number, raw)
+                ids.append(self._line_id(f, number, row))
+                texts.append(row[self.text_col])
+                lines.append(number)
+                if self.keep:
+                    kept_rows.append(row)
+                if len(lines) == self.chunk_rows:
+                    yield Chunk(f.shown, ids, texts, lines, self._jsonl_kept(f, kept_rows, lines))
+                    ids, texts, lines, kept_rows = [], [], [], []
+        if lines:
+            yield Chunk(f.shown, ids, texts, lines, self._jsonl_kept(f, kept_rows, lines))
+
+    def _open_jsonl(self, f: _File) -> IO[bytes]:
+        try:
+            return self._fs.open(f.path, "rb", compression="infer")
+        except OSError as e:
+            raise UserError(f"cannot open {f.shown} ({_short(e)}); check the path and its permissions") from None
+
+    def _parse_line(self, f: _File, number: int, raw: bytes) -> dict:
+        where = f"{f.shown} line {number}"
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise UserError(f"{where}: not valid UTF-8; save the file as UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: invalid JSON ({e.msg}); fix or remove that line") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{where}: expected a JSON object, got {_kind(row)}; put one object per line")
+        if self.text_col not in row:
+            keys = ", ".join(row) or "none"
+            raise UserError(
+                f"{where}: no '{self.text_col}' key (its keys: {keys}); "
+                "pass --text-col with the key that holds the text"
+            )
+        text = row[self.text_col]
+        if text is not None and not isinstance(text, str):
+            raise UserError(
+                f"{where}: {self.text_col} is {_kind(text)}, not a string; "
+                "make it a string (or null) or pass --text-col with the key that holds the text"
+            )
+        return row
+
+    def _line_id(self, f: _File, number: int, row: dict) -> str:
+        if self.id_col not in row:
+            return f"{f.rel}:{number}"
+        value = row[self.id_col]
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)):
+            return json.dumps(value)
+        raise UserError(
+            f"{f.shown} line {number}: {self.id_col} is {_kind(value)}, not a string or number; "
+            "give every line an id, or pass --id-col naming a key the file lacks to number lines instead"
+        )
+
+    def _jsonl_kept(self, f: _File, rows: list[dict], lines: list[int]) -> pa.Table | None:
+        """The kept keys as a table whose schema the first chunk fixes for all later ones.
+
+        A key that is null throughout the first chunk, or mixes types there, becomes a string column;
+        non-string values in a string column are kept as JSON text.
+        """
+        if not self.keep:
+            return None
+        columns = {}
+        for name in self.keep:
+            values = [r.get(name) for r in rows]
+            known = self._kept_schema.field(name).type if self._kept_schema else None
+            if known is not None and (pa.types.is_string(known) or pa.types.is_large_string(known)):
+                values = [_as_text(v) for v in values]
+            try:
+                column = pa.array(values, type=known)
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+                if known is not None:
+                    raise UserError(
+                        f"{f.shown} lines {lines[0]}-{lines[-1]}: --keep key '{name}' does not fit the type "
+                        f"{known} that earlier lines gave it ({_short(e)}); give it one type in every line"
+                    ) from None
+                column = pa.array([_as_text(v) for v in values], pa.string())
+            columns[name] = column.cast(pa.string()) if pa.types.is_null(column.type) else column
+        table = pa.table(columns)
+        self._kept_schema = self._kept_schema or table.schema
+        return table
+
+
+def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
+    """The files a path names, sorted, each with its shown name and its name relative to the base."""
+    try:
+        fs, root = fsspec.core.url_to_fs(path)
+    except (ValueError, ImportError) as e:
+        raise UserError(f"cannot open {path} ({_short(e)}); give a local path or an fsspec URL") from None
+    magic = _GLOB.search(path)
+    try:
+        if magic:
+            base = path[: path.rfind("/", 0, magic.start()) + 1]
+            found = [p for match in fs.glob(root) for p in _walk(fs, match)]
+        elif fs.isdir(root):
+            base = path if path.endswith("/") else path + "/"
+            found = _walk(fs, root)
+        elif fs.isfile(root):
+            if not root.endswith(_SUFFIXES):
+                raise UserError(f"{path} is not a .parquet, .jsonl or .jsonl.gz file; rename it or convert it")
+            return fs, [_File(root, path, posixpath.basename(root))]
+        else:
+            raise UserError(f"{path} does not exist; give a file, a directory or a glob of .parquet/.jsonl files")
+    except OSError as e:
+        raise UserError(f"cannot list {path} ({_short(e)}); check the path and its permissions") from None
+    base_root = fsspec.core.url_to_fs(base or ".")[1].rstrip("/") + "/"
+    files = []
+    for p in sorted(set(found)):
+        rel = p[len(base_root):] if p.startswith(base_root) else posixpath.basename(p)
+        # Hidden and underscore paths hold temporary or side files (a writer's unfinished parts).
+        if p.endswith(_SUFFIXES) and not any(part.startswith((".", "_")) for part in rel.split("/")):
+            files.append(_File(p, base + rel, rel))
+    if not files:
+        raise UserError(f"{path} holds no .parquet, .jsonl or .jsonl.gz files; check the path")
+    return fs, files
+
+
+def _unify(f: _File, known: pa.Schema | None, kept: pa.Schema) -> pa.Schema:
+    if known is None:
+        return kept
+    try:
+        return pa.unify_schemas([known, kept], promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise UserError(
+            f"{f.shown}: a --keep column has a type that earlier files do not share ({_short(e)}); "
+            "make the shards agree or drop that column from --keep"
+        ) from None
+
+
+def _walk(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+    return fs.find(path) if fs.isdir(path) else [path]
+
+
+def _numbered_lines(f: _File, handle: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    number = 0
+    while True:
+        try:
+            raw = handle.readline()
+        except (OSError, EOFError, zlib.error) as e:
+            raise UserError(
+                f"{f.shown} line {number + 1}: cannot read ({_short(e)}); check that the file is complete"
+            ) from None
+        if not raw:
+            return
+        number += 1
+        yield number, raw
+
+
+def _unreadable_parquet(f: _File, e: Exception) -> UserError:
+    return UserError(
+        f"{f.shown} is not a readable Parquet file ({_short(e)}); check that it is a complete Parquet file"
+    )
+
+
+def _short(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return text.split(". ")[0].rstrip(".")
+
+
+def _as_text(value: object) -> str | None:
+    return value if value is None or isinstance(value, str) else json.dumps(value)
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return "null" if value is None else "a string"

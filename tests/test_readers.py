@@ -1,0 +1,356 @@
+"""CorpusReader: path resolution, chunking, ids, kept columns, and a UserError for every bad input."""
+
+import gzip
+import json
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine.errors import UserError
+from pipelines.readers import CorpusReader
+
+
+def write_jsonl(path, rows, gz=False):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+    path.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
+    return path
+
+
+def write_parquet(path, columns, row_group_size=None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+    return path
+
+
+def read_all(reader):
+    chunks = list(reader)
+    return chunks, [i for c in chunks for i in c.ids], [t for c in chunks for t in c.texts]
+
+
+def error(**kwargs):
+    with pytest.raises(UserError) as info:
+        list(CorpusReader(**kwargs))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# Resolving paths
+
+
+def test_directory_is_walked_recursively_in_sorted_order(tmp_path):
+    write_parquet(tmp_path / "c" / "b.parquet", {"text": ["p1", "p2"]})
+    write_jsonl(tmp_path / "c" / "a.jsonl", [{"text": "j1"}])
+    write_jsonl(tmp_path / "c" / "sub" / "z.jsonl.gz", [{"text": "g1"}], gz=True)
+    (tmp_path / "c" / "notes.txt").write_text("not a corpus file")
+    (tmp_path / "c" / "d.json").write_text('{"text": "plain .json is not read"}')
+    write_parquet(tmp_path / "c" / ".tmp-1" / "part-0.parquet", {"text": ["hidden"]})
+    write_parquet(tmp_path / "c" / "_staging" / "x.parquet", {"text": ["hidden"]})
+
+    reader = CorpusReader(f"{tmp_path}/c")
+    assert reader.files == [f"{tmp_path}/c/a.jsonl", f"{tmp_path}/c/b.parquet", f"{tmp_path}/c/sub/z.jsonl.gz"]
+    chunks, ids, texts = read_all(reader)
+    assert texts == ["j1", "p1", "p2", "g1"]
+    assert ids == ["a.jsonl:1", "b.parquet:1", "b.parquet:2", "sub/z.jsonl.gz:1"]
+    assert [c.source for c in chunks] == reader.files
+
+
+def test_relative_paths_are_shown_as_the_user_wrote_them(tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", [{"text": "x"}])
+    monkeypatch.chdir(tmp_path)
+    assert CorpusReader("corpus").files == ["corpus/a.jsonl"]
+    assert CorpusReader("corpus/").files == ["corpus/a.jsonl"]
+    assert CorpusReader("corpus/*.jsonl").files == ["corpus/a.jsonl"]
+    assert CorpusReader("*/a.jsonl").files == ["corpus/a.jsonl"]
+
+
+def test_glob_matches_files_and_ids_are_relative_to_its_directory(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "a"}])
+    write_jsonl(tmp_path / "b.jsonl", [{"text": "b"}])
+    write_parquet(tmp_path / "c.parquet", {"text": ["c"]})
+    reader = CorpusReader(f"{tmp_path}/*.jsonl")
+    assert reader.files == [f"{tmp_path}/a.jsonl", f"{tmp_path}/b.jsonl"]
+    assert read_all(reader)[1] == ["a.jsonl:1", "b.jsonl:1"]
+    reader = CorpusReader(f"{tmp_path}/**/*.parquet")
+    assert reader.files == [f"{tmp_path}/c.parquet"]
+
+
+def test_single_file_ids_use_its_base_name(tmp_path):
+    path = write_jsonl(tmp_path / "deep" / "one.jsonl", [{"text": "a"}, {"text": "b"}])
+    reader = CorpusReader(str(path))
+    assert reader.files == [str(path)]
+    assert read_all(reader)[1] == ["one.jsonl:1", "one.jsonl:2"]
+
+
+def test_memory_url():
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/readers-test/corpus/a.jsonl", b'{"id": "x", "text": "from memory"}\n')
+    with fs.open("/readers-test/corpus/b.parquet", "wb") as f:
+        pq.write_table(pa.table({"text": ["parquet in memory"]}), f)
+    try:
+        reader = CorpusReader("memory://readers-test/corpus")
+        assert reader.files == ["memory://readers-test/corpus/a.jsonl", "memory://readers-test/corpus/b.parquet"]
+        chunks, ids, texts = read_all(reader)
+        assert ids == ["x", "b.parquet:1"]
+        assert texts == ["from memory", "parquet in memory"]
+        assert chunks[0].source == "memory://readers-test/corpus/a.jsonl"
+    finally:
+        fs.rm("/readers-test", recursive=True)
+
+
+def test_jsonl_gz(tmp_path):
+    rows = [{"id": f"d{i}", "text": f"text {i}"} for i in range(50)]
+    reader = CorpusReader(str(write_jsonl(tmp_path / "a.jsonl.gz", rows, gz=True)), chunk_rows=16)
+    _, ids, texts = read_all(reader)
+    assert ids == [r["id"] for r in rows]
+    assert texts == [r["text"] for r in rows]
+
+
+# Chunks
+
+
+def test_parquet_chunks_never_exceed_chunk_rows_and_number_rows(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"text": [f"t{i}" for i in range(100)]}, row_group_size=30)
+    write_parquet(tmp_path / "b.parquet", {"text": [f"u{i}" for i in range(5)]})
+    reader = CorpusReader(str(tmp_path), chunk_rows=7)
+    assert reader.total_rows == 105
+    chunks, ids, texts = read_all(reader)
+    assert all(1 <= len(c.ids) <= 7 for c in chunks)
+    assert all(len(c.ids) == len(c.texts) == len(c.lines) for c in chunks)
+    assert texts == [f"t{i}" for i in range(100)] + [f"u{i}" for i in range(5)]
+    assert [n for c in chunks if c.source.endswith("a.parquet") for n in c.lines] == list(range(1, 101))
+    assert ids[:2] == ["a.parquet:1", "a.parquet:2"] and ids[-1] == "b.parquet:5"
+
+
+def test_jsonl_chunks_never_exceed_chunk_rows_and_keep_line_numbers(tmp_path):
+    lines = []
+    for i in range(23):
+        lines.append(json.dumps({"text": f"t{i}"}))
+        if i % 5 == 0:
+            lines.append("   ")  # blank lines are skipped but still counted
+    write_jsonl(tmp_path / "a.jsonl", lines)
+    reader = CorpusReader(str(tmp_path / "a.jsonl"), chunk_rows=4)
+    assert reader.total_rows is None
+    chunks, ids, texts = read_all(reader)
+    assert [len(c.ids) for c in chunks] == [4, 4, 4, 4, 4, 3]
+    assert texts == [f"t{i}" for i in range(23)]
+    expected = [n + 1 for n, line in enumerate(lines) if line.strip()]
+    assert [n for c in chunks for n in c.lines] == expected
+    assert ids == [f"a.jsonl:{n}" for n in expected]
+
+
+def test_texts_come_as_they_are_and_null_is_none(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "  padded \n"}, {"text": None}, {"text": ""}])
+    write_parquet(tmp_path / "b.parquet", {"text": pa.array(["  x ", None], pa.large_string())})
+    assert read_all(CorpusReader(str(tmp_path)))[2] == ["  padded \n", None, "", "  x ", None]
+
+
+def test_ids_are_stringified_from_the_id_column(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"id": [7, 8], "text": ["a", "b"]})
+    write_jsonl(tmp_path / "b.jsonl", [{"id": 9, "text": "c"}, {"id": "s", "text": "d"}, {"text": "no id"}])
+    write_parquet(tmp_path / "c.parquet", {"doc": ["x1"], "body": ["e"]})
+    reader = CorpusReader(f"{tmp_path}/[ab].*")
+    assert read_all(reader)[1] == ["7", "8", "9", "s", "b.jsonl:3"]
+    assert read_all(CorpusReader(str(tmp_path / "c.parquet"), text_col="body", id_col="doc"))[1] == ["x1"]
+
+
+def test_ids_are_stable_across_reads(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"text": [f"t{i}" for i in range(20)]})
+    assert read_all(CorpusReader(str(tmp_path), chunk_rows=3))[1] == read_all(CorpusReader(str(tmp_path)))[1]
+
+
+def test_kept_columns_are_preserved_with_one_schema(tmp_path):
+    write_parquet(
+        tmp_path / "a.parquet",
+        {"text": ["a", "b", "c"], "lang": ["en", "de", None], "year": pa.array([1, 2, 3], pa.int32())},
+        row_group_size=2,
+    )
+    reader = CorpusReader(str(tmp_path / "a.parquet"), keep=["lang", "year"], chunk_rows=2)
+    chunks = list(reader)
+    kept = pa.concat_tables(c.kept for c in chunks)
+    assert kept.column_names == ["lang", "year"]
+    assert kept.schema.field("year").type == pa.int32()
+    assert kept.to_pydict() == {"lang": ["en", "de", None], "year": [1, 2, 3]}
+    assert all(c.kept.num_rows == len(c.ids) for c in chunks)
+    assert CorpusReader(str(tmp_path / "a.parquet")).__iter__().__next__().kept is None
+
+
+def test_jsonl_kept_keys_missing_are_null_and_types_hold_across_chunks(tmp_path):
+    rows = [
+        {"text": "a", "n": 1, "mixed": 1},
+        {"text": "b", "n": None, "mixed": "x"},
+        {"text": "c", "lang": "en", "n": 3, "mixed": "y"},
+        {"text": "d", "n": 4, "lang": 5, "mixed": [1]},
+    ]
+    write_jsonl(tmp_path / "a.jsonl", rows)
+    chunks = list(CorpusReader(str(tmp_path / "a.jsonl"), keep=["lang", "n", "mixed"], chunk_rows=2))
+    # the first chunk fixes the schema: lang (all null there) and mixed (mixed types) become strings
+    expected = pa.schema([("lang", pa.string()), ("n", pa.int64()), ("mixed", pa.string())])
+    assert [c.kept.schema for c in chunks] == [expected, expected]
+    assert pa.concat_tables(c.kept for c in chunks).to_pydict() == {
+        "lang": [None, None, "en", "5"],
+        "n": [1, None, 3, 4],
+        "mixed": ["1", "x", "y", "[1]"],
+    }
+
+
+def test_parquet_kept_types_are_unified_across_files(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"text": ["a"], "n": pa.array([1], pa.int32())})
+    write_parquet(tmp_path / "b.parquet", {"text": ["b"], "n": pa.array([2], pa.int64())})
+    chunks = list(CorpusReader(str(tmp_path), keep=["n"]))
+    assert [c.kept.schema.field("n").type for c in chunks] == [pa.int64(), pa.int64()]
+
+
+def test_a_reader_reads_only_the_columns_it_needs(tmp_path):
+    # A column of a type the reader could not turn into a list of texts must not be touched.
+    write_parquet(tmp_path / "a.parquet", {"text": ["a"], "blob": pa.array([{"x": [1, 2]}])})
+    chunk = next(iter(CorpusReader(str(tmp_path / "a.parquet"))))
+    assert chunk.texts == ["a"]
+
+
+# Bad input: every message is one line that names the file (and the line for JSONL)
+
+
+def test_missing_path(tmp_path):
+    message = error(path=f"{tmp_path}/nope")
+    assert f"{tmp_path}/nope does not exist" in message
+
+
+def test_directory_without_corpus_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    assert "holds no .parquet, .jsonl or .jsonl.gz files" in error(path=str(tmp_path))
+    assert "holds no" in error(path=f"{tmp_path}/*.parquet")
+
+
+def test_unsupported_single_file(tmp_path):
+    (tmp_path / "a.csv").write_text("text\nx\n")
+    assert "a.csv is not a .parquet, .jsonl or .jsonl.gz file" in error(path=str(tmp_path / "a.csv"))
+
+
+def test_unreadable_parquet_at_construction(tmp_path):
+    (tmp_path / "bad.parquet").write_bytes(b"this is not parquet at all")
+    with pytest.raises(UserError) as info:
+        CorpusReader(str(tmp_path))
+    assert str(info.value).startswith(f"{tmp_path}/bad.parquet is not a readable Parquet file (")
+    assert "check that it is a complete Parquet file" in str(info.value)
+
+
+def test_truncated_parquet(tmp_path):
+    path = write_parquet(tmp_path / "a.parquet", {"text": ["x"] * 10})
+    path.write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(UserError, match="a.parquet is not a readable Parquet file"):
+        CorpusReader(str(path))
+
+
+def test_corrupt_parquet_found_mid_stream(tmp_path):
+    path = write_parquet(tmp_path / "a.parquet", {"text": [f"row {i} " * 50 for i in range(200)]}, row_group_size=100)
+    column = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    start = column.dictionary_page_offset or column.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start : start + column.total_compressed_size] = b"\xff" * column.total_compressed_size
+    path.write_bytes(bytes(data))
+
+    chunks = iter(CorpusReader(str(path), chunk_rows=100))
+    assert len(next(chunks).ids) == 100
+    with pytest.raises(UserError) as info:
+        next(chunks)
+    assert str(info.value).startswith(f"{path} is not a readable Parquet file (")
+
+
+def test_parquet_missing_text_column(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"id": ["1"], "body": ["x"]})
+    message = error(path=str(tmp_path))
+    assert message == (
+        f"{tmp_path}/a.parquet has no column 'text' (its columns: id, body); "
+        "pass --text-col with the column that holds the text"
+    )
+
+
+def test_parquet_text_column_not_a_string(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"text": [1, 2]})
+    message = error(path=str(tmp_path))
+    assert f"{tmp_path}/a.parquet" in message and "'text' is int64, not a string" in message
+
+
+def test_parquet_missing_keep_column(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"text": ["x"]})
+    message = error(path=str(tmp_path), keep=["lang"])
+    assert f"{tmp_path}/a.parquet has no column 'lang' for --keep" in message
+
+
+def test_parquet_keep_columns_that_disagree_across_files(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"text": ["a"], "n": [1]})
+    write_parquet(tmp_path / "b.parquet", {"text": ["b"], "n": [[1, 2]]})
+    message = error(path=str(tmp_path), keep=["n"])
+    assert message.startswith(f"{tmp_path}/b.parquet: a --keep column has a type that earlier files do not share")
+
+
+def test_parquet_id_column_that_cannot_be_a_string(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"id": [[1, 2]], "text": ["x"]})
+    message = error(path=str(tmp_path))
+    assert f"{tmp_path}/a.parquet" in message and "cannot serve as an id" in message
+
+
+def test_parquet_null_id_names_the_row(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"id": ["a", "b", None], "text": ["x", "y", "z"]})
+    assert f"{tmp_path}/a.parquet row 3: id is null" in error(path=str(tmp_path), chunk_rows=2)
+
+
+def test_jsonl_invalid_json_names_file_and_line(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "ok"}, "", '{"text": "missing comma" "id": 1}'])
+    message = error(path=str(tmp_path))
+    assert message == (
+        f"{tmp_path}/a.jsonl line 3: invalid JSON (Expecting ',' delimiter); fix or remove that line"
+    )
+
+
+def test_jsonl_line_that_is_not_an_object(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "ok"}, ["a", "list"]])
+    assert f"{tmp_path}/a.jsonl line 2: expected a JSON object, got a list" in error(path=str(tmp_path))
+
+
+def test_jsonl_missing_text_key(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"body": "x", "id": 1}])
+    message = error(path=str(tmp_path))
+    assert message.startswith(f"{tmp_path}/a.jsonl line 1: no 'text' key (its keys: body, id)")
+    assert "--text-col" in message
+
+
+def test_jsonl_text_not_a_string(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "ok"}, {"text": 3}])
+    assert f"{tmp_path}/a.jsonl line 2: text is a number, not a string;" in error(path=str(tmp_path))
+    write_jsonl(tmp_path / "a.jsonl", [{"text": {"a": 1}}])
+    assert f"{tmp_path}/a.jsonl line 1: text is an object, not a string;" in error(path=str(tmp_path))
+
+
+def test_jsonl_bad_id(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"id": [1], "text": "x"}])
+    assert f"{tmp_path}/a.jsonl line 1: id is a list" in error(path=str(tmp_path))
+    write_jsonl(tmp_path / "a.jsonl", [{"id": None, "text": "x"}])
+    assert f"{tmp_path}/a.jsonl line 1: id is null" in error(path=str(tmp_path))
+
+
+def test_jsonl_not_utf8(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    assert f"{tmp_path}/a.jsonl line 2: not valid UTF-8" in error(path=str(tmp_path))
+
+
+def test_jsonl_gz_that_is_cut_short(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl.gz", [{"text": f"row {i}"} for i in range(2000)], gz=True)
+    path.write_bytes(path.read_bytes()[:-50])
+    message = error(path=str(path))
+    assert message.startswith(f"{path} line ") and "check that the file is complete" in message
+
+
+def test_jsonl_gz_that_is_not_gzip(tmp_path):
+    (tmp_path / "a.jsonl.gz").write_text('{"text": "plain"}\n')
+    assert error(path=str(tmp_path)).startswith(f"{tmp_path}/a.jsonl.gz line 1: cannot read (")
+
+
+def test_jsonl_kept_key_that_changes_type(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "a", "n": 1}, {"text": "b", "n": "two"}])
+    message = error(path=str(tmp_path), keep=["n"], chunk_rows=1)
+    assert message.startswith(f"{tmp_path}/a.jsonl lines 2-2: --keep key 'n' does not fit the type int64")

@@ -19,7 +19,8 @@ class EngineConfig:
 
     device: "cpu", "cuda" or "cuda:N"; None picks CUDA when there is a GPU.
     dtype: float32, bfloat16 or float16 (or fp32/bf16/fp16); None is bf16 on a GPU, fp32 on a CPU.
-    max_batch_tokens / max_seqs: the packer's budget per engine step (tokens, sequences).
+    max_batch_tokens / max_seqs: the packer's budget per engine step (tokens, sequences); None picks
+        the measured best for the device (batch_tokens()).
     cuda_graphs: whole-model CUDA graphs per token bucket, captured lazily (GPU only).
     warmup: capture every bucket's graph at load instead of on the second hit.
     attention: backend name; "auto" picks per model and device (engine.attention says how).
@@ -31,7 +32,7 @@ class EngineConfig:
 
     device: str | None = None
     dtype: str | None = None
-    max_batch_tokens: int = 16384
+    max_batch_tokens: int | None = None
     max_seqs: int = 512
     cuda_graphs: bool = True
     warmup: bool = False
@@ -46,7 +47,7 @@ class EngineConfig:
             raise UserError(f"unknown dtype {self.dtype!r}; use one of bf16, fp16, fp32")
         if self.attention not in ATTENTION_BACKENDS:
             raise UserError(f"unknown attention backend {self.attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
-        if self.max_batch_tokens < 1 or self.max_seqs < 1:
+        if (self.max_batch_tokens is not None and self.max_batch_tokens < 1) or self.max_seqs < 1:
             raise UserError("--max-batch-tokens and --max-seqs must be at least 1")
         if self.dim is not None and self.dim < 1:
             raise UserError(f"--dim must be a positive number of components, not {self.dim}")
@@ -62,6 +63,17 @@ class EngineConfig:
                 raise UserError(f"--device {self.device} asked for a GPU but CUDA is not available here; use --device cpu")
             return device
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def batch_tokens(self, device: torch.device) -> int:
+        """The token budget: the user's, or where throughput stops growing on this kind of device.
+
+        On a GPU, bench/results/saturation.* shows tokens/s flattening by 16,384 tokens per batch.
+        On a CPU, activations of more than about 2,048 tokens spill out of cache and every step
+        slows down (bench/results/cpu_budget.txt): 2,048 ran 1.6x faster than 16,384.
+        """
+        if self.max_batch_tokens is not None:
+            return self.max_batch_tokens
+        return 16384 if device.type == "cuda" else 2048
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype is None:

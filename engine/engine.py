@@ -43,18 +43,19 @@ class Engine:
         self.dim = config.dim or hidden
         positions = model.config.max_position_embeddings - model.config.position_offset
         self.max_length = min(config.max_length or files.max_length, positions)
-        if self.max_length > config.max_batch_tokens:
-            raise UserError(f"--max-batch-tokens {config.max_batch_tokens} is smaller than the max length "
+        self.max_batch_tokens = config.batch_tokens(device)
+        if self.max_length > self.max_batch_tokens:
+            raise UserError(f"--max-batch-tokens {self.max_batch_tokens} is smaller than the max length "
                             f"{self.max_length}; raise it or lower --max-length")
         self.attention = choose_backend(config.attention, device, model.head_dim)
         self.runner: GraphRunner | None = None
         if device.type == "cuda":
-            self.runner = GraphRunner(self.forward, self._make_attention, config.max_batch_tokens, config.max_seqs,
+            self.runner = GraphRunner(self.forward, self._make_attention, self.max_batch_tokens, config.max_seqs,
                                       self.max_length, device, config.cuda_graphs)
             self.ring = PinnedRing(config.pinned_slots, config.max_seqs, self.dim)
             if config.warmup and config.cuda_graphs:
                 with torch.inference_mode():
-                    self.runner.capture_all(config.max_batch_tokens)
+                    self.runner.capture_all(self.max_batch_tokens)
         else:
             self.cpu_attention = SdpaAttention()
 
@@ -97,7 +98,7 @@ class Engine:
 
     def embed(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
         """Vectors for token-id sequences, float32 [len(sequences), dim], in input order."""
-        packer = Packer(self.config.max_batch_tokens, self.config.max_seqs)
+        packer = Packer(self.max_batch_tokens, self.config.max_seqs)
         pending = []
         for index, ids in enumerate(sequences):
             if (batch := packer.add(ids, index)) is not None:

@@ -1,0 +1,41 @@
+"""The Python API: a model that turns a list of texts into a numpy array.
+
+    import embedctl
+    model = embedctl.load()                      # all-MiniLM-L6-v2, shipped offline
+    vectors = model.embed(["first text", "second text"])   # float32 [2, 384]
+
+It is the engine plus the model's tokenizer; `embedctl index` runs the same pieces as a pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine import Engine, EngineConfig
+from pipelines.tokenize import TextTokenizer
+
+
+class Embedder:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+
+    @property
+    def dim(self) -> int:
+        return self.engine.dim
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """float32 [len(texts), dim], in order; texts longer than the max length are truncated."""
+        if isinstance(texts, str):
+            raise TypeError("embed() takes a list of texts; wrap a single text in a list")
+        return self.engine.embed(self.tokenizer.encode(texts).ids)
+
+
+def load(model: str | None = None, **options: object) -> Embedder:
+    """Load `model` (a local directory, a hub id, or None for all-MiniLM-L6-v2).
+
+    options are EngineConfig fields, e.g. device="cuda", dtype="bf16", dim=256, normalize=False.
+    """
+    return Embedder(Engine.load(model, EngineConfig(**options)))

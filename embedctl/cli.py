@@ -1,0 +1,137 @@
+"""The `embedctl` command line: Typer options turned into configs, then handed to pipelines.
+
+No logic lives here beyond that. Problems the user can fix end as one line on stderr with exit
+code 2; an interrupt ends with 130. Both leave any existing output untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from engine.errors import UserError
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  help="Fast text embeddings: index corpora into vector tables.")
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+class OnLong(str, Enum):
+    truncate = "truncate"
+    error = "error"
+
+
+class OnEmpty(str, Enum):
+    skip = "skip"
+    error = "error"
+
+
+class OnDuplicate(str, Enum):
+    error = "error"
+    skip = "skip"
+
+
+@app.callback()
+def _commands() -> None:
+    """Fast text embeddings: index corpora into vector tables."""
+
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory or hub id [default: all-MiniLM-L6-v2, offline].")]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N [default: cuda when present].")]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 [default: bf16 on GPU, fp32 on CPU].")]
+
+
+@app.command()
+def index(
+    source: Annotated[str, typer.Argument(help="A Parquet/JSONL file, a directory, a glob or an fsspec URL.")],
+    out: Annotated[str, typer.Option("--out", "-o", help="vectors.lance, a LanceDB URI (with --table), out.parquet or a directory/.")],
+    table: Annotated[Optional[str], typer.Option(help="Table name when --out is a LanceDB URI.")] = None,
+    model: ModelOpt = None,
+    text_col: Annotated[str, typer.Option(help="Column holding the text.")] = "text",
+    id_col: Annotated[str, typer.Option(help="Column holding the id; when absent, ids are file:row.")] = "id",
+    keep: Annotated[Optional[list[str]], typer.Option(help="Carry this input column into the output (repeatable).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output (at the end, atomically).")] = False,
+    append: Annotated[bool, typer.Option(help="Add rows to an existing output made with the same model settings.")] = False,
+    on_long: Annotated[OnLong, typer.Option(help="Texts over the max length: truncate (recorded per row) or error.")] = OnLong.truncate,
+    on_empty: Annotated[OnEmpty, typer.Option(help="Null or blank texts: skip (counted) or error.")] = OnEmpty.skip,
+    on_duplicate: Annotated[OnDuplicate, typer.Option(help="Repeated ids: error, or skip all but the first.")] = OnDuplicate.error,
+    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Token budget per engine step [default: 16384 on GPU, 2048 on CPU].")] = None,
+    max_seqs: Annotated[int, typer.Option(help="Sequences per engine step.")] = 512,
+    max_length: Annotated[Optional[int], typer.Option(help="Truncate at this many tokens [default: the model's].")] = None,
+    dim: Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka), re-normalised.")] = None,
+    normalize: Annotated[Optional[bool], typer.Option("--normalize/--no-normalize", help="L2-normalise [default: as the model says].")] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    attention: Annotated[str, typer.Option(help="auto, sdpa, varlen or flashinfer.")] = "auto",
+    eager: Annotated[bool, typer.Option(help="Run without CUDA graphs.")] = False,
+    warmup: Annotated[bool, typer.Option(help="Capture every CUDA graph bucket before starting.")] = False,
+    report: Annotated[Optional[Path], typer.Option(help="Write the run's summary as JSON to this file.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print settings and graph counters.")] = False,
+) -> None:
+    """Embed every row of SOURCE and write the vectors to --out."""
+    if overwrite and append:
+        _fail("--overwrite and --append contradict each other; pass one of them", report)
+    from engine import EngineConfig
+    from embedctl.progress import index_progress
+    from pipelines.index import IndexOptions, run_index
+
+    def run() -> None:
+        config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
+                              cuda_graphs=not eager, warmup=warmup, attention=attention, normalize=normalize,
+                              dim=dim, max_length=max_length)
+        options = IndexOptions(source=source, out=out, table=table, text_col=text_col, id_col=id_col,
+                               keep=tuple(keep or ()), mode="overwrite" if overwrite else "append" if append else "create",
+                               on_long=on_long.value, on_empty=on_empty.value, on_duplicate=on_duplicate.value)
+        engine, tokenizer = _load(model, config)
+        if verbose:
+            typer.echo(f"model {engine.files.name} on {engine.device} ({engine.dtype}), attention {engine.attention}, "
+                       f"dim {engine.dim}, max length {engine.max_length}, pooling {engine.pooling}", err=True)
+        with index_progress(enabled=not quiet and sys.stderr.isatty()) as progress:
+            result = run_index(engine, tokenizer, options, progress)
+        if not quiet:
+            typer.echo(result.summary(), err=True)
+        if verbose:
+            typer.echo(f"graphs: {result.graphs}", err=True)
+        if report is not None:
+            report.write_text(result.to_json() + "\n")
+
+    _guarded(run, report)
+
+
+def _load(model: str | None, config: object) -> tuple:
+    from engine import Engine
+    from pipelines.tokenize import TextTokenizer
+
+    engine = Engine.load(model, config)
+    return engine, TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+
+
+def _guarded(run: callable, report: Path | None) -> None:
+    """Run a command; user errors and interrupts become one line and an exit code."""
+    try:
+        run()
+    except UserError as error:
+        _fail(str(error), report)
+    except KeyboardInterrupt:
+        typer.echo("interrupted; no output was changed", err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _fail(message: str, report: Path | None) -> None:
+    typer.echo(f"error: {message}", err=True)
+    if report is not None:
+        import json
+
+        report.write_text(json.dumps({"error": message}) + "\n")
+    raise typer.Exit(EXIT_USER_ERROR)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,296 @@
+"""`embedctl index`: a corpus of shards in, a vector table out, every stage running beside the engine.
+
+    reader thread -> tokenizer thread -> packer + Engine.step (this thread) -> writer thread
+
+Bounded queues join the stages, so memory stays flat and the engine always has the next batch
+queued: while the device computes batch N+1, the writer thread waits on batch N's LazyTensor and
+writes finished chunks. Rows leave in the order they came. Nothing is visible in the output until
+the whole run commits; a failure anywhere aborts the writer and leaves any previous output as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from engine import Engine, Packer
+from engine.errors import UserError
+from pipelines.readers import Chunk, CorpusReader
+from pipelines.tokenize import TextTokenizer
+from pipelines.writers import VectorWriter, open_writer, output_schema
+
+QUEUE_DEPTH = 4
+
+
+@dataclass(frozen=True)
+class IndexOptions:
+    source: str
+    out: str
+    table: str | None = None
+    text_col: str = "text"
+    id_col: str = "id"
+    keep: tuple[str, ...] = ()
+    mode: str = "create"  # create | overwrite | append
+    on_long: str = "truncate"  # truncate | error
+    on_empty: str = "skip"  # skip | error
+    on_duplicate: str = "error"  # error | skip
+    chunk_rows: int = 1024
+
+
+@dataclass
+class IndexReport:
+    output: str
+    model: str
+    device: str
+    rows_read: int = 0
+    rows_written: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    skipped_empty: int = 0
+    skipped_duplicate: int = 0
+    seconds: float = 0.0
+    graphs: dict = field(default_factory=dict)
+
+    @property
+    def skipped(self) -> int:
+        return self.skipped_empty + self.skipped_duplicate
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.rows_written:,} rows, {self.tokens:,} tokens in {self.seconds:.1f} s "
+                f"({self.tokens_per_second:,.0f} tokens/s); {self.truncated:,} truncated, {self.skipped:,} skipped "
+                f"-> {self.output}")
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "skipped": self.skipped,
+                           "tokens_per_second": round(self.tokens_per_second, 1)}, indent=2)
+
+
+@dataclass
+class _Tokenized:
+    """A chunk's rows that go to the engine, with what the output needs to know about them."""
+
+    chunk: Chunk
+    rows: list[int]  # positions in the chunk of the rows kept
+    ids: list[np.ndarray]
+    truncated: list[bool]
+    vectors: np.ndarray | None = None
+    filled: int = 0
+
+
+Progress = Callable[[IndexReport, int | None], None]
+
+
+def run_index(engine: Engine, tokenizer: TextTokenizer, options: IndexOptions,
+              progress: Progress | None = None) -> IndexReport:
+    """Embed every row of options.source into options.out; returns the run's report."""
+    reader = CorpusReader(options.source, options.text_col, options.id_col, options.keep, options.chunk_rows)
+    report = IndexReport(output=options.out, model=engine.files.name, device=str(engine.device))
+    flow = _Flow()
+    started = time.perf_counter()
+    writer: VectorWriter | None = None
+    try:
+        tokenized = flow.stage(_tokenize(flow.stage(iter(reader)), tokenizer, options, report))
+        first = next(tokenized, None)
+        writer = open_writer(options.out, _schema(engine, first), options.mode, options.table)
+        written = flow.consume(_assemble(flow.stage_from_queue(), report, progress, reader.total_rows), writer)
+        packer = Packer(engine.max_batch_tokens, engine.config.max_seqs)
+        for item in _chain(first, tokenized):
+            for row, ids in enumerate(item.ids):
+                if (batch := packer.add(ids, (item, row))) is not None:
+                    flow.send((engine.step(batch), batch.tags))
+        if (batch := packer.flush()) is not None:
+            flow.send((engine.step(batch), batch.tags))
+        flow.finish()
+        written.join()
+        flow.raise_failure()
+        writer.commit()
+    except BaseException:
+        flow.cancel()
+        if writer is not None:
+            writer.abort()
+        raise
+    report.seconds = time.perf_counter() - started
+    report.graphs = asdict(engine.stats)
+    return report
+
+
+def _tokenize(chunks: Iterator[Chunk], tokenizer: TextTokenizer, options: IndexOptions,
+              report: IndexReport) -> Iterator[_Tokenized]:
+    seen: set[str] = set()
+    for chunk in chunks:
+        report.rows_read += len(chunk.ids)
+        rows, texts = [], []
+        for row, (row_id, text) in enumerate(zip(chunk.ids, chunk.texts)):
+            if text is None or not text.strip():
+                if options.on_empty == "error":
+                    raise UserError(f"{chunk.source} line {chunk.lines[row]}: empty text (id {row_id}); "
+                                    "remove the row or pass --on-empty skip")
+                report.skipped_empty += 1
+                continue
+            if row_id in seen:
+                if options.on_duplicate == "error":
+                    raise UserError(f"{chunk.source} line {chunk.lines[row]}: duplicate id {row_id!r}; "
+                                    "make ids unique or pass --on-duplicate skip to keep the first")
+                report.skipped_duplicate += 1
+                continue
+            seen.add(row_id)
+            rows.append(row)
+            texts.append(text)
+        encoded = tokenizer.encode(texts)
+        if options.on_long == "error" and any(encoded.truncated):
+            row = rows[encoded.truncated.index(True)]
+            raise UserError(f"{chunk.source} line {chunk.lines[row]}: text is longer than the model's "
+                            f"{tokenizer.max_length} tokens; shorten it or pass --on-long truncate")
+        if rows:
+            yield _Tokenized(chunk, rows, encoded.ids, encoded.truncated)
+
+
+def _assemble(results: Iterable[tuple], report: IndexReport, progress: Progress | None,
+              total_rows: int | None) -> Iterator[pa.RecordBatch]:
+    """Wait on each batch's vectors in order; yield each chunk as a record batch once it is whole."""
+    for lazy, tags in results:
+        vectors = lazy.result()
+        for (item, row), vector in zip(tags, vectors):
+            if item.vectors is None:
+                item.vectors = np.empty((len(item.rows), vectors.shape[1]), dtype=np.float32)
+            item.vectors[row] = vector
+            item.filled += 1
+            if item.filled == len(item.rows):
+                report.rows_written += len(item.rows)
+                report.tokens += sum(len(ids) for ids in item.ids)
+                report.truncated += sum(item.truncated)
+                yield _record_batch(item)
+                if progress is not None:
+                    progress(report, total_rows)
+
+
+def _record_batch(item: _Tokenized) -> pa.RecordBatch:
+    chunk, rows = item.chunk, item.rows
+    dim = item.vectors.shape[1]
+    columns = {
+        "id": pa.array([chunk.ids[r] for r in rows], pa.string()),
+        "vector": pa.FixedSizeListArray.from_arrays(pa.array(item.vectors.reshape(-1), pa.float32()), dim),
+        "n_tokens": pa.array([len(ids) for ids in item.ids], pa.int32()),
+        "truncated": pa.array(item.truncated, pa.bool_()),
+    }
+    if chunk.kept is not None:
+        kept = chunk.kept.take(rows)
+        for name in kept.column_names:
+            columns[name] = kept.column(name).combine_chunks()
+    return pa.RecordBatch.from_pydict(columns)
+
+
+def _schema(engine: Engine, first: _Tokenized | None) -> pa.Schema:
+    kept = first.chunk.kept.schema if first is not None and first.chunk.kept is not None else None
+    metadata = {f"embedctl.{key}": value for key, value in engine.settings().items()}
+    return output_schema(engine.dim, kept, metadata)
+
+
+def _chain(first: _Tokenized | None, rest: Iterator[_Tokenized]) -> Iterator[_Tokenized]:
+    if first is not None:
+        yield first
+        yield from rest
+
+
+class _Flow:
+    """Threads joined by bounded queues, with one place that remembers the first failure.
+
+    stage(it) runs an iterator in its own thread and returns an iterator over its items; send()
+    and consume() are the queue from the engine loop to the writer thread. cancel() stops them all.
+    """
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self.failure: BaseException | None = None
+        self.results: queue.Queue = queue.Queue(QUEUE_DEPTH)
+
+    def stage(self, items: Iterator) -> Iterator:
+        out: queue.Queue = queue.Queue(QUEUE_DEPTH)
+
+        def produce() -> None:
+            try:
+                for item in items:
+                    self._put(out, item)
+            except BaseException as error:  # noqa: BLE001 - handed to the main thread
+                self._fail(error)
+            finally:
+                self._put(out, self._END, final=True)
+
+        threading.Thread(target=produce, daemon=True).start()
+        return self._drain(out)
+
+    def stage_from_queue(self) -> Iterator:
+        return self._drain(self.results)
+
+    def consume(self, records: Iterator[pa.RecordBatch], writer: VectorWriter) -> threading.Thread:
+        def write() -> None:
+            try:
+                for record in records:
+                    writer.write(record)
+            except BaseException as error:  # noqa: BLE001 - handed to the main thread
+                self._fail(error)
+                self.stopped.set()
+
+        thread = threading.Thread(target=write, daemon=True)
+        thread.start()
+        return thread
+
+    def send(self, item: object) -> None:
+        self._put(self.results, item)
+        self.raise_failure()
+
+    def finish(self) -> None:
+        self._put(self.results, self._END, final=True)
+
+    def cancel(self) -> None:
+        self.stopped.set()
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _fail(self, error: BaseException) -> None:
+        if self.failure is None:
+            self.failure = error
+
+    def _drain(self, source: queue.Queue) -> Iterator:
+        while True:
+            try:
+                item = source.get(timeout=0.1)
+            except queue.Empty:
+                if self.stopped.is_set():
+                    self.raise_failure()
+                    return
+                continue
+            if item is self._END:
+                self.raise_failure()
+                return
+            yield item
+
+    def _put(self, target: queue.Queue, item: object, final: bool = False) -> None:
+        while not self.stopped.is_set() or final:
+            try:
+                target.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                if final and self.stopped.is_set():
+                    return
+        self.raise_failure()
+        raise _Cancelled
+
+
+class _Cancelled(Exception):
+    """Raised in a stage thread when the run was stopped elsewhere."""

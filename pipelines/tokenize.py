@@ -1,0 +1,45 @@
+"""Texts to token ids with the model's tokenizer.json, through the `tokenizers` library.
+
+Texts are stripped (as sentence-transformers does), truncated at the model's max length (special
+tokens included) and never padded: the engine packs sequences back to back. Each result says how
+many tokens were kept and whether the text was cut. Batch encoding runs in Rust threads and
+releases the GIL, so a pipeline thread can tokenize while the engine computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from engine.errors import UserError
+
+
+@dataclass(frozen=True)
+class Encoded:
+    ids: list[np.ndarray]  # int32 token ids per text
+    truncated: list[bool]
+
+    @property
+    def n_tokens(self) -> list[int]:
+        return [len(ids) for ids in self.ids]
+
+
+class TextTokenizer:
+    def __init__(self, tokenizer_file: Path, max_length: int) -> None:
+        try:
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+            raise UserError(f"{tokenizer_file} is not a usable tokenizer.json ({error}); "
+                            "replace it with the model's own tokenizer.json") from None
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(max_length)
+        self.max_length = max_length
+
+    def encode(self, texts: Sequence[str]) -> Encoded:
+        encodings = self.tokenizer.encode_batch([text.strip() for text in texts])
+        return Encoded(ids=[np.asarray(e.ids, dtype=np.int32) for e in encodings],
+                       truncated=[bool(e.overflowing) for e in encodings])

@@ -1,0 +1,153 @@
+"""The engine on the CPU: equal to the reference implementations, whatever the packing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import embedctl
+from engine import Engine, EngineConfig, PackedBatch, Packer, UserError
+from engine.graphs import all_buckets, bucket_for
+from engine.pooling import pool
+from tests.conftest import save_random_model
+
+TEXTS = [
+    "hello world",
+    "A vector database stores embeddings and finds nearest neighbours. " * 40,  # truncated at 256 tokens
+    "",
+    "   \n\t ",
+    "Ünïcödé façade — naïve café, 日本語のテキスト, русский текст, emoji 🚀✨",
+    "short",
+    "The quick brown fox jumps over the lazy dog.",
+]
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@pytest.fixture(scope="module")
+def minilm() -> embedctl.Embedder:
+    return embedctl.load()
+
+
+def test_minilm_matches_sentence_transformers(minilm: embedctl.Embedder, minilm_dir) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(minilm_dir), device="cpu").encode(TEXTS, convert_to_numpy=True)
+    ours = minilm.embed(TEXTS)
+    assert ours.shape == (len(TEXTS), 384) and ours.dtype == np.float32
+    assert cosine(ours, reference).min() >= 0.9999
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+def test_any_packing_gives_the_same_vectors(minilm: embedctl.Embedder) -> None:
+    ids = minilm.tokenizer.encode(TEXTS * 3).ids
+    alone = np.concatenate([minilm.engine.step(PackedBatch.of([seq])).result() for seq in ids])
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        order = rng.permutation(len(ids))
+        cuts = np.sort(rng.choice(np.arange(1, len(ids)), size=4, replace=False))
+        packed = np.empty_like(alone)
+        for part in np.split(order, cuts):
+            packed[part] = minilm.engine.step(PackedBatch.of([ids[i] for i in part])).result()
+        np.testing.assert_allclose(packed, alone, atol=2e-5)
+
+
+@pytest.mark.parametrize("model_class", ["BertModel", "XLMRobertaModel"])
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+def test_random_weights_match_transformers(tmp_path, model_class: str, pooling: str) -> None:
+    import transformers
+
+    path = save_random_model(tmp_path / "model", model_class, pooling=pooling)
+    engine = Engine.load(str(path))
+    reference_model = getattr(transformers, model_class).from_pretrained(path).eval()
+    sequences = [[101, 2023, 2003, 102], [101] + list(range(2000, 2050)) + [102], [101, 102]]
+    ours = engine.embed(sequences)
+    for seq, vector in zip(sequences, ours):
+        with torch.no_grad():
+            hidden = reference_model(torch.tensor([seq])).last_hidden_state[0]
+        expected = {"mean": hidden.mean(0), "cls": hidden[0], "last": hidden[-1]}[pooling]
+        np.testing.assert_allclose(vector, expected.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_dim_truncates_then_renormalises(minilm_dir) -> None:
+    full = embedctl.load(str(minilm_dir), normalize=False).embed(TEXTS[:2])
+    short = embedctl.load(str(minilm_dir), dim=128).embed(TEXTS[:2])
+    expected = full[:, :128] / np.linalg.norm(full[:, :128], axis=1, keepdims=True)
+    np.testing.assert_allclose(short, expected, atol=1e-5)
+
+
+def test_missing_weight_is_an_error_not_a_random_init(random_bert) -> None:
+    weights = load_file(random_bert / "model.safetensors")
+    del weights["encoder.layer.1.output.dense.weight"]
+    save_file(weights, random_bert / "model.safetensors")
+    with pytest.raises(UserError, match="missing.*encoder.layer.1.output.dense.weight"):
+        Engine.load(str(random_bert))
+
+
+def test_unknown_weight_is_an_error(random_bert) -> None:
+    weights = load_file(random_bert / "model.safetensors")
+    weights["encoder.layer.9.extra.weight"] = torch.zeros(2)
+    save_file(weights, random_bert / "model.safetensors")
+    with pytest.raises(UserError, match="unexpected"):
+        Engine.load(str(random_bert))
+
+
+def test_model_directory_missing_files(random_bert) -> None:
+    (random_bert / "tokenizer.json").unlink()
+    with pytest.raises(UserError, match=r"missing tokenizer\.json"):
+        Engine.load(str(random_bert))
+
+
+def test_too_long_sequence_is_refused(random_bert) -> None:
+    engine = Engine.load(str(random_bert))
+    with pytest.raises(UserError, match="longer than the model's max length"):
+        engine.embed([[101] * 200])
+
+
+def test_packer_is_first_come_first_served_under_both_limits() -> None:
+    packer = Packer(max_batch_tokens=10, max_seqs=3)
+    batches = [b for n, length in enumerate([4, 4, 4, 1, 1, 1, 1, 10]) if (b := packer.add([7] * length, n))]
+    batches.append(packer.flush())
+    assert [b.tags for b in batches] == [[0, 1], [2, 3, 4], [5, 6], [7]]
+    assert all(b.num_tokens <= 10 and b.num_seqs <= 3 for b in batches)
+    with pytest.raises(ValueError):
+        packer.add([7] * 11, "too long")
+
+
+def test_padded_layout_puts_padding_in_a_spare_sequence() -> None:
+    batch = PackedBatch.of([[5, 6, 7], [8, 9]])
+    out = np.full(4 * 8 + 4 + 1, -1, dtype=np.int32)
+    batch.write_inputs(out, tokens=8, slots=4)
+    ids, positions, types, seq_ids = out[:32].reshape(4, 8)
+    assert ids.tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
+    assert positions.tolist() == [0, 1, 2, 0, 1, 0, 0, 0]
+    assert types.tolist() == [0] * 8
+    assert seq_ids.tolist() == [0, 0, 0, 1, 1, 4, 4, 4]
+    assert out[32:].tolist() == [0, 3, 5, 5, 5]
+
+
+def test_pooling_ignores_padding_tokens_and_empty_slots() -> None:
+    hidden = torch.randn(8, 3)
+    seq_ids = torch.tensor([0, 0, 0, 1, 1, 3, 3, 3])
+    cu_seqlens = torch.tensor([0, 3, 5, 5], dtype=torch.int32)
+    mean = pool(hidden, seq_ids, cu_seqlens, "mean")
+    torch.testing.assert_close(mean[:2], torch.stack([hidden[:3].mean(0), hidden[3:5].mean(0)]))
+    torch.testing.assert_close(pool(hidden, seq_ids, cu_seqlens, "cls")[:2], hidden[[0, 3]])
+    torch.testing.assert_close(pool(hidden, seq_ids, cu_seqlens, "last")[:2], hidden[[2, 4]])
+
+
+def test_buckets_step_by_64_then_256() -> None:
+    assert [bucket_for(n) for n in (1, 64, 65, 1024, 1025, 1280, 1281)] == [64, 64, 128, 1024, 1280, 1280, 1536]
+    buckets = all_buckets(2048)
+    assert buckets[:3] == [64, 128, 192] and buckets[15] == 1024 and buckets[-4:] == [1280, 1536, 1792, 2048]
+
+
+def test_config_rejects_nonsense() -> None:
+    with pytest.raises(UserError, match="dtype"):
+        EngineConfig(dtype="int4")
+    with pytest.raises(UserError, match="attention"):
+        EngineConfig(attention="magic")

@@ -81,28 +81,33 @@ class FlashInferAttention:
     """FlashInfer's ragged prefill. plan() is host work (about 0.3 ms) and must precede every run.
 
     In graph mode the wrapper owns fixed index buffers of `slots + 1` entries, so one instance serves
-    one graph bucket; unused slots are zero-length sequences.
+    one graph bucket; unused slots are zero-length sequences. Instances share one scratch workspace:
+    they run one after another on one stream.
     """
 
     name = "flashinfer"
 
-    def __init__(self, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, num_heads: int, head_dim: int, dtype: torch.dtype, workspace: torch.Tensor,
                  causal: bool = False, slots: int | None = None) -> None:
         import flashinfer
 
         self.num_heads, self.head_dim, self.dtype, self.causal = num_heads, head_dim, dtype, causal
-        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+        self.planned = torch.cuda.Event()
         if slots is None:
             self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
         else:
-            self.indptr = torch.zeros(slots + 1, dtype=torch.int32, device=device)
+            self.indptr = torch.zeros(slots + 1, dtype=torch.int32, device=workspace.device)
             self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
                 workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.indptr, kv_indptr_buf=self.indptr)
 
     def plan(self, layout: AttentionLayout) -> None:
+        # plan() rewrites a page-locked buffer that the previous plan's copy to the device may
+        # still be reading while the GPU works through earlier batches: wait for that copy alone.
+        self.planned.synchronize()
         indptr = torch.tensor(layout.cu_seqlens_host, dtype=torch.int32)
         self.wrapper.plan(indptr, indptr, self.num_heads, self.num_heads, self.head_dim,
                           causal=self.causal, q_data_type=self.dtype)
+        self.planned.record()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.wrapper.run(q, k, v)

@@ -26,6 +26,7 @@ from engine.models.bert import BertConfig, BertModel
 from engine.pooling import finish, pool
 
 BERT_FAMILY = ("bert", "roberta", "xlm-roberta")
+FLASHINFER_WORKSPACE_BYTES = 128 << 20
 
 
 class Engine:
@@ -49,6 +50,7 @@ class Engine:
                             f"{self.max_length}; raise it or lower --max-length")
         self.attention = choose_backend(config.attention, device, model.head_dim)
         self.runner: GraphRunner | None = None
+        self._flashinfer_workspace: torch.Tensor | None = None
         if device.type == "cuda":
             self.runner = GraphRunner(self.forward, self._make_attention, self.max_batch_tokens, config.max_seqs,
                                       self.max_length, device, config.cuda_graphs)
@@ -129,7 +131,9 @@ class Engine:
         }
 
     def _make_attention(self, slots: int | None) -> object:
-        causal = False
         if self.attention == "flashinfer":
-            return FlashInferAttention(self.model.num_heads, self.model.head_dim, self.dtype, self.device, causal, slots)
-        return VarlenAttention(causal)
+            if self._flashinfer_workspace is None:
+                self._flashinfer_workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            return FlashInferAttention(self.model.num_heads, self.model.head_dim, self.dtype,
+                                       self._flashinfer_workspace, slots=slots)
+        return VarlenAttention()

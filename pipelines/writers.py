@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from typing import Literal, Protocol
 
 import fsspec
-import lancedb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -93,6 +92,8 @@ class _LanceWriter:
     """Streams every batch into one Lance commit, made by a thread that reads a bounded queue."""
 
     def __init__(self, shown: str, db_uri: str, name: str, schema: pa.Schema, mode: Mode) -> None:
+        import lancedb  # here, not at the top: Parquet output works where lancedb is not installed
+
         self._shown, self._name, self._schema = shown, name, schema
         try:
             self._db = lancedb.connect(db_uri)
@@ -112,7 +113,7 @@ class _LanceWriter:
         self._thread = threading.Thread(target=self._run, args=(append,), name=f"lance-writer-{name}", daemon=True)
         self._thread.start()
 
-    def _open_existing(self) -> lancedb.table.Table | None:
+    def _open_existing(self) -> object | None:
         try:
             return self._db.open_table(self._name)
         except ValueError:  # Lance's "table not found"; a directory left by a crashed run counts as absent

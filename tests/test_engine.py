@@ -11,7 +11,7 @@ import embedctl
 from engine import Engine, EngineConfig, PackedBatch, Packer, UserError
 from engine.graphs import all_buckets, bucket_for
 from engine.pooling import pool
-from tests.conftest import save_random_model
+from tests.models import save_random_model
 
 TEXTS = [
     "hello world",
@@ -29,8 +29,8 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def minilm() -> embedctl.Embedder:
-    return embedctl.load()
+def minilm(minilm_dir) -> embedctl.Embedder:
+    return embedctl.load(str(minilm_dir), device="cpu")
 
 
 def test_minilm_matches_sentence_transformers(minilm: embedctl.Embedder, minilm_dir) -> None:
@@ -62,7 +62,7 @@ def test_random_weights_match_transformers(tmp_path, model_class: str, pooling: 
     import transformers
 
     path = save_random_model(tmp_path / "model", model_class, pooling=pooling)
-    engine = Engine.load(str(path))
+    engine = Engine.load(str(path), EngineConfig(device="cpu"))
     reference_model = getattr(transformers, model_class).from_pretrained(path).eval()
     sequences = [[101, 2023, 2003, 102], [101] + list(range(2000, 2050)) + [102], [101, 102]]
     ours = engine.embed(sequences)
@@ -74,8 +74,8 @@ def test_random_weights_match_transformers(tmp_path, model_class: str, pooling: 
 
 
 def test_dim_truncates_then_renormalises(minilm_dir) -> None:
-    full = embedctl.load(str(minilm_dir), normalize=False).embed(TEXTS[:2])
-    short = embedctl.load(str(minilm_dir), dim=128).embed(TEXTS[:2])
+    full = embedctl.load(str(minilm_dir), device="cpu", normalize=False).embed(TEXTS[:2])
+    short = embedctl.load(str(minilm_dir), device="cpu", dim=128).embed(TEXTS[:2])
     expected = full[:, :128] / np.linalg.norm(full[:, :128], axis=1, keepdims=True)
     np.testing.assert_allclose(short, expected, atol=1e-5)
 
@@ -103,7 +103,7 @@ def test_model_directory_missing_files(random_bert) -> None:
 
 
 def test_too_long_sequence_is_refused(random_bert) -> None:
-    engine = Engine.load(str(random_bert))
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu"))
     with pytest.raises(UserError, match="longer than the model's max length"):
         engine.embed([[101] * 200])
 

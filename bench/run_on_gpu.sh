@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the GPU tests, then the side-by-side benchmark. Output under $OUT.
+#   bench/run_on_gpu.sh "<pytest args>" "<bench/gpu_engine.py args>"
+# Installs .bundle/whl (flashinfer) when it was carried; MiniLM comes from .bundle/minilm and the
+# corpus from .bench-data/ (../shared/gpu/make-bundle.sh and a copy of ../shared/corpus).
+set -uo pipefail
+out=${OUT:-bench-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 EMBEDCTL_TEST_MODEL=.bundle/minilm
+if [ -d .bundle/whl ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .bundle/whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+{ date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$out/machine.txt"
+python3 -m pytest -p no:cacheprovider -q -ra $1 2>&1 | tee "$out/tests.log"
+python3 -m bench.gpu_engine --out "$out/bench" $2 2>&1 | tee "$out/bench.log"

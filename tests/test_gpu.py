@@ -1,0 +1,147 @@
+"""The GPU engine on a real CUDA device: correctness of every GPU path. Skipped without CUDA.
+
+Run on the device machine with `pytest -m gpu` (EMBEDCTL_TEST_MODEL may point at a MiniLM copy).
+Tolerances are bf16/fp16 ones: cosine >= 0.999 against fp32 references.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import embedctl
+from engine import Engine, EngineConfig, PackedBatch
+from engine.attention import AttentionLayout, FlashInferAttention, SdpaAttention, VarlenAttention, flashinfer_available
+from engine.graphs import all_buckets
+from tests.models import BERT_BASE, save_random_model
+
+pytestmark = pytest.mark.gpu
+
+needs_flashinfer = pytest.mark.skipif(not flashinfer_available(), reason="flashinfer-python is not installed")
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    corpus = pq.read_table("sample_data/corpus/part-000.parquet").column("text").to_pylist()
+    return corpus + ["", "   ", "Ünïcödé 日本語 🚀", "short", "word " * 600]
+
+
+@pytest.fixture(scope="module")
+def cpu_minilm(minilm_dir) -> Engine:
+    return Engine.load(str(minilm_dir), EngineConfig(device="cpu"))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_real_minilm_matches_sentence_transformers_fp32(minilm_dir, texts, dtype: str) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(minilm_dir), device="cuda").encode(texts, convert_to_numpy=True)
+    ours = embedctl.load(str(minilm_dir), dtype=dtype).embed(texts)
+    assert cosine(ours, reference).min() >= 0.999
+
+
+def test_graph_replay_equals_eager(minilm_dir, texts) -> None:
+    model = embedctl.load(str(minilm_dir))
+    batch = PackedBatch.of(model.tokenizer.encode(texts[:40]).ids)
+    first, captured, replayed = (model.engine.step(batch).result() for _ in range(3))
+    stats = model.engine.stats
+    assert (stats.eager_runs, stats.captures, stats.replays) == (1, 1, 1)
+    assert cosine(captured, first).min() >= 0.9999
+    np.testing.assert_array_equal(replayed, captured)
+    no_graphs = embedctl.load(str(minilm_dir), cuda_graphs=False)
+    assert cosine(no_graphs.engine.step(batch).result(), captured).min() >= 0.9999
+    assert no_graphs.engine.stats.captures == 0
+
+
+@pytest.mark.parametrize("total", [64, 65, 1024, 1025, 3000])
+def test_bucket_boundaries(minilm_dir, cpu_minilm, total: int) -> None:
+    rng = np.random.default_rng(total)
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(min(int(rng.integers(2, 200)), total - sum(lengths)))
+    sequences = [np.concatenate([[101], rng.integers(1000, 29000, n - 2), [102]])[:n] for n in lengths]
+    batch = PackedBatch.of(sequences)
+    assert batch.num_tokens == total
+    engine = Engine.load(str(minilm_dir))
+    results = [engine.step(batch).result() for _ in range(3)]  # eager, capture, replay
+    reference = cpu_minilm.step(batch).result()
+    for result in results:
+        assert cosine(result, reference).min() >= 0.999
+
+
+def test_readback_ring_never_overwrites_unread_results(minilm_dir, texts, cpu_minilm) -> None:
+    engine = Engine.load(str(minilm_dir), EngineConfig(pinned_slots=2, max_batch_tokens=1024))
+    model = embedctl.load(str(minilm_dir), device="cpu")
+    ids = model.tokenizer.encode(texts).ids
+    batches = [PackedBatch.of(ids[i:i + 5]) for i in range(0, 60, 5)]
+    pending = [engine.step(batch) for batch in batches]  # far more batches than slots, none read yet
+    for lazy, batch in zip(pending, batches):
+        assert cosine(lazy.result(), cpu_minilm.step(batch).result()).min() >= 0.999
+
+
+def test_warmup_captures_every_bucket(minilm_dir, texts) -> None:
+    model = embedctl.load(str(minilm_dir), max_batch_tokens=2048, warmup=True)
+    assert model.engine.stats.captures == len(all_buckets(2048))
+    model.embed(texts[:30])
+    assert model.engine.stats.eager_runs == 0 and model.engine.stats.replays > 0
+
+
+def _random_qkv(layout_lengths: list[int], heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    tokens = sum(layout_lengths)
+    return tuple(torch.randn(tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+
+@pytest.mark.parametrize("backend", ["varlen", pytest.param("flashinfer", marks=needs_flashinfer)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_backend_matches_exact_sdpa(backend: str, head_dim: int) -> None:
+    lengths = [1, 7, 128, 300, 512, 0, 64]
+    cu = [0] + np.cumsum(lengths).tolist()
+    q, k, v = _random_qkv(lengths, 12, head_dim)
+    layout = AttentionLayout(torch.tensor(cu, dtype=torch.int32, device="cuda"), cu, max(lengths))
+    reference = SdpaAttention()
+    reference.plan(layout)
+    expected = reference(q.float(), k.float(), v.float())
+    if backend == "varlen":
+        attention = VarlenAttention()
+    else:
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        attention = FlashInferAttention(12, head_dim, torch.bfloat16, workspace)
+    attention.plan(layout)
+    out = attention(q, k, v).float()
+    assert torch.linalg.norm(out - expected) / torch.linalg.norm(expected) < 1e-2
+
+
+@pytest.mark.parametrize("backend", ["varlen", pytest.param("flashinfer", marks=needs_flashinfer)])
+def test_bert_base_shape_backends_equal_cpu_fp32(tmp_path, backend: str) -> None:
+    path = save_random_model(tmp_path / "bert-base", pooling="mean", **BERT_BASE)
+    rng = np.random.default_rng(1)
+    sequences = [np.concatenate([[101], rng.integers(1000, 29000, n), [102]]) for n in (5, 510, 100, 62, 300, 1)]
+    reference = Engine.load(str(path), EngineConfig(device="cpu")).embed(sequences)
+    engine = Engine.load(str(path), EngineConfig(attention=backend))
+    assert engine.attention == backend
+    for _ in range(3):  # eager, capture, replay
+        assert cosine(engine.embed(sequences), reference).min() >= 0.999
+    assert engine.stats.replays >= 1
+
+
+def test_index_on_gpu_equals_cpu(minilm_dir, tmp_path) -> None:
+    from pipelines.index import IndexOptions, run_index
+    from pipelines.tokenize import TextTokenizer
+
+    outputs = {}
+    for device in ("cuda", "cpu"):
+        engine = Engine.load(str(minilm_dir), EngineConfig(device=device))
+        tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+        out = tmp_path / f"{device}.parquet"
+        report = run_index(engine, tokenizer, IndexOptions(source="sample_data/corpus", out=str(out)))
+        assert report.rows_written == 300
+        outputs[device] = pq.read_table(out)
+    assert outputs["cuda"].column("id").to_pylist() == outputs["cpu"].column("id").to_pylist()
+    gpu, cpu = (np.stack(outputs[d].column("vector").to_numpy(zero_copy_only=False)) for d in ("cuda", "cpu"))
+    assert cosine(gpu, cpu).min() >= 0.999

@@ -31,6 +31,7 @@ import torch
 
 from engine import Engine, EngineConfig, PackedBatch
 from pipelines.index import IndexOptions, run_index
+from pipelines.readers import CorpusReader
 from pipelines.tokenize import TextTokenizer
 from tests.models import BERT_BASE, save_random_model
 
@@ -57,7 +58,7 @@ def main() -> None:
                 results["models"][label] = {"skipped": str(error)}
                 continue
             print(f"== {label}: attention {engine.attention}, dtype {engine.dtype}", flush=True)
-            results["models"][label] = run_suites(args, engine, path, texts, scratch, peers=backend == args.attention[0])
+            results["models"][label] = run_suites(args, engine, path, texts, scratch, peers=args.peers and backend == args.attention[0])
             del engine
             torch.cuda.empty_cache() if device == "cuda" else None
             (args.out / "results.json").write_text(json.dumps(results, indent=2))
@@ -78,6 +79,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=300, help="timed calls per latency point")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device: checks the script")
+    parser.add_argument("--no-peers", dest="peers", action="store_false", help="measure embedctl only")
     args = parser.parse_args()
     args.models = args.models.split(",")
     args.attention = args.attention.split(",")
@@ -145,6 +147,7 @@ def latency_suite(args, engine: Engine, path: Path, tokenizer: TextTokenizer, st
     from embedctl.api import Embedder
 
     eager = load(path, engine.attention, cuda_graphs=False)
+    uncompiled = load(path, engine.attention, compile=False)
     as_text = Embedder(engine)
     suite = {}
     for tokens in LATENCY_TOKENS:
@@ -153,6 +156,7 @@ def latency_suite(args, engine: Engine, path: Path, tokenizer: TextTokenizer, st
         assert batch.num_tokens == tokens, batch.num_tokens
         point = {
             "ours_graphs": percentiles(lambda: engine.step(batch).result(), args.repeats),
+            "ours_graphs_uncompiled": percentiles(lambda: uncompiled.step(batch).result(), args.repeats),
             "ours_text_in": percentiles(lambda: as_text.embed([text]), args.repeats),
             "ours_eager": percentiles(lambda: eager.step(batch).result(), args.repeats),
         }
@@ -200,6 +204,8 @@ def throughput_suite(engine: Engine, tokenizer: TextTokenizer, texts: list[str],
     options = IndexOptions(source=str(source), out=str(scratch / "ours.parquet"), mode="overwrite")
     suite["ours_end_to_end"] = rate(timed(lambda: run_index(engine, tokenizer, options)))
     suite["ours_end_to_end_gpu_busy"] = gpu_busy_share(lambda: run_index(engine, tokenizer, options))
+    suite["ours_read_and_tokenize_only"] = rate(timed(lambda: [tokenizer.encode([t or "" for t in chunk.texts])
+                                                              for chunk in CorpusReader(str(source))]))
     if st is not None:
         st.encode(texts[:256], batch_size=128)
         for batch_size in ST_BATCH_SIZES:
@@ -262,6 +268,14 @@ def saturation_suite(engine: Engine, ids: list[np.ndarray], smoke: bool) -> dict
         steps = 3 if smoke else max(20, 400_000 // tokens)
         seconds = timed(lambda: [engine.step(batch) for _ in range(steps)][-1].result())
         suite[tokens] = tokens * steps / seconds
+    if not smoke:
+        uncompiled = load(engine.files.path, engine.attention, compile=False)
+        batch = batch_of(ids, engine.max_batch_tokens)
+        for _ in range(3):
+            uncompiled.step(batch).result()
+        steps = 40
+        seconds = timed(lambda: [uncompiled.step(batch) for _ in range(steps)][-1].result())
+        suite[f"{batch.num_tokens}_uncompiled"] = batch.num_tokens * steps / seconds
     print(f"saturation: {json.dumps(suite)}", flush=True)
     return suite
 
@@ -357,8 +371,8 @@ def plot(results: dict, path: Path) -> None:
     figure, axis = plt.subplots(figsize=(8, 5))
     for label, model in results["models"].items():
         if "saturation" in model:
-            curve = model["saturation"]
-            line, = axis.plot(list(map(int, curve)), [v / 1e6 for v in curve.values()], marker="o", label=f"embedctl {label}")
+            curve = {int(k): v for k, v in model["saturation"].items() if str(k).isdigit()}
+            line, = axis.plot(list(curve), [v / 1e6 for v in curve.values()], marker="o", label=f"embedctl {label}")
             peer = model.get("throughput", {}).get("sentence_transformers_bs512")
             if peer:
                 axis.axhline(peer / 1e6, linestyle="--", color=line.get_color(), label=f"sentence-transformers bs512 {label}")

@@ -22,6 +22,7 @@ class EngineConfig:
     max_batch_tokens / max_seqs: the packer's budget per engine step (tokens, sequences); None picks
         the measured best for the device (batch_tokens()).
     cuda_graphs: whole-model CUDA graphs per token bucket, captured lazily (GPU only).
+    compile: fuse residual-add + LayerNorm and the embedding sum with torch.compile (GPU only).
     warmup: capture every bucket's graph at load instead of on the second hit.
     attention: backend name; "auto" picks per model and device (engine.attention says how).
     normalize: L2-normalise outputs; None follows the model's sentence-transformers modules.
@@ -35,6 +36,7 @@ class EngineConfig:
     max_batch_tokens: int | None = None
     max_seqs: int = 512
     cuda_graphs: bool = True
+    compile: bool = True
     warmup: bool = False
     attention: str = "auto"
     normalize: bool | None = None

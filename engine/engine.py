@@ -20,6 +20,7 @@ from engine.batch import Packer, PackedBatch
 from engine.checkpoint import ModelFiles, load_weights, position_offset, resolve_model, weights_digest
 from engine.config import EngineConfig
 from engine.errors import UserError
+from engine.fused import Fused
 from engine.graphs import GraphRunner, GraphStats
 from engine.lazy import LazyTensor, PinnedRing
 from engine.models.bert import BertConfig, BertModel
@@ -70,7 +71,8 @@ class Engine:
         if model_type not in BERT_FAMILY:
             raise UserError(f"model type {model_type!r} is not supported yet; embedctl runs {', '.join(BERT_FAMILY)} models")
         device = config.torch_device()
-        network = BertModel(BertConfig.from_hf(files.config, position_offset(files.config)))
+        fused = Fused(compile=device.type == "cuda" and config.compile)
+        network = BertModel(BertConfig.from_hf(files.config, position_offset(files.config)), fused)
         network.load_hf_weights(load_weights(files.path))
         network.requires_grad_(False)
         network.to(device=device, dtype=config.torch_dtype(device)).eval()

@@ -1,8 +1,10 @@
-"""Whole-model CUDA graphs per token-count bucket, captured lazily, replayed from then on.
+"""Whole-model CUDA graphs per batch shape, captured lazily, replayed from then on.
 
 A batch's token count is padded up to a bucket (multiples of 64 up to 1,024, then of 256) and its
-sequence count to the bucket's slots, so one graph serves every batch of that bucket. The first hit
-of a bucket runs eagerly on the exact batch, the second captures and replays, later hits replay:
+sequence count up to a power of two (its slots; extra slots are empty sequences), so one graph
+serves every batch of that shape. Slots are bucketed too because the attention kernels launch work
+per slot: 512 slots for a batch of 60 sequences cost MiniLM a third of its GPU time. The first hit
+of a shape runs eagerly on the exact batch, the second captures and replays, later hits replay:
 capture cost is spread over traffic instead of paid at start (warmup=True pays it at start).
 All graphs share one memory pool. Inputs reach the device through two alternating page-locked
 staging buffers and one copy per batch; the graph reads them from fixed device addresses.
@@ -38,6 +40,25 @@ def all_buckets(max_tokens: int) -> list[int]:
         buckets.append(tokens)
         tokens += SMALL_STEP if tokens < SMALL_LIMIT else LARGE_STEP
     return buckets
+
+
+def slots_for(seqs: int, tokens: int, max_seqs: int) -> int:
+    """Sequence slots for a batch: the next power of two, at most one per token and max_seqs."""
+    return min(1 << max(seqs - 1, 0).bit_length(), tokens, max_seqs)
+
+
+def all_shapes(max_tokens: int, max_seqs: int, max_seqlen: int) -> list[tuple[int, int]]:
+    """Every (tokens, slots) shape a batch can have: at least tokens / max_seqlen sequences fill a bucket."""
+    shapes, previous = [], 0
+    for tokens in all_buckets(max_tokens):
+        seqs, previous = max(1, -(-(previous + 1) // max_seqlen)), tokens
+        while True:
+            slots = slots_for(seqs, tokens, max_seqs)
+            shapes.append((tokens, slots))
+            if slots >= min(tokens, max_seqs):
+                break
+            seqs = slots + 1
+    return shapes
 
 
 @dataclass
@@ -76,12 +97,13 @@ class GraphRunner:
         self.turn = 0
         self.inputs = torch.zeros(size, dtype=torch.int32, device=device)
         self.eager_attention = make_attention(None)
-        self.buckets: dict[int, _Bucket] = {}
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def run(self, batch: PackedBatch) -> torch.Tensor:
         """Enqueue the batch; returns the device tensor whose first num_seqs rows are its vectors."""
-        bucket = self._bucket(bucket_for(batch.num_tokens))
+        tokens = bucket_for(batch.num_tokens)
+        bucket = self._bucket(tokens, slots_for(batch.num_seqs, tokens, self.max_seqs))
         bucket.hits += 1
         if not self.use_graphs or bucket.hits == 1:
             self.stats.eager_runs += 1
@@ -95,21 +117,19 @@ class GraphRunner:
         return bucket.output
 
     def capture_all(self, max_tokens: int) -> None:
-        """Capture every bucket now (warm-up), with a dummy batch of one sequence per bucket."""
-        for tokens in all_buckets(max_tokens):
-            bucket = self._bucket(tokens)
+        """Capture every shape now (warm-up), each with a dummy batch of that shape."""
+        for tokens, slots in all_shapes(max_tokens, self.max_seqs, self.max_seqlen):
+            bucket = self._bucket(tokens, slots)
             if bucket.graph is None:
-                length = min(tokens, self.max_seqlen)
-                dummy = PackedBatch.of([np.zeros(length, dtype=np.int32)] * (tokens // length))
-                bucket.attention.plan(self._stage(dummy, bucket.tokens, bucket.slots, self._graph_max_seqlen(bucket)))
+                dummy = PackedBatch.of([np.zeros(min(tokens // slots, self.max_seqlen), dtype=np.int32)] * slots)
+                bucket.attention.plan(self._stage(dummy, tokens, slots, self._graph_max_seqlen(bucket)))
                 self._capture(bucket)
                 bucket.hits = 2
 
-    def _bucket(self, tokens: int) -> _Bucket:
-        if tokens not in self.buckets:
-            slots = min(self.max_seqs, tokens)
-            self.buckets[tokens] = _Bucket(tokens, slots, self.make_attention(slots))
-        return self.buckets[tokens]
+    def _bucket(self, tokens: int, slots: int) -> _Bucket:
+        if (tokens, slots) not in self.buckets:
+            self.buckets[tokens, slots] = _Bucket(tokens, slots, self.make_attention(slots))
+        return self.buckets[tokens, slots]
 
     def _graph_max_seqlen(self, bucket: _Bucket) -> int:
         # A graph bakes max_seqlen in at capture, so it must bound every batch the bucket will see.

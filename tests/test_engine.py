@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import embedctl
 from engine import Engine, EngineConfig, PackedBatch, Packer, UserError
-from engine.graphs import all_buckets, bucket_for
+from engine.graphs import all_buckets, all_shapes, bucket_for, slots_for
 from engine.pooling import pool
 from tests.models import save_random_model
 
@@ -144,6 +144,20 @@ def test_buckets_step_by_64_then_256() -> None:
     assert [bucket_for(n) for n in (1, 64, 65, 1024, 1025, 1280, 1281)] == [64, 64, 128, 1024, 1280, 1280, 1536]
     buckets = all_buckets(2048)
     assert buckets[:3] == [64, 128, 192] and buckets[15] == 1024 and buckets[-4:] == [1280, 1536, 1792, 2048]
+
+
+def test_every_possible_batch_has_a_graph_shape_for_warmup() -> None:
+    shapes = set(all_shapes(max_tokens=4096, max_seqs=64, max_seqlen=256))
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        lengths = rng.integers(1, 257, size=rng.integers(1, 65))
+        lengths = lengths[np.cumsum(lengths) <= 4096]
+        if len(lengths):
+            tokens = bucket_for(int(lengths.sum()))
+            slots = slots_for(len(lengths), tokens, 64)
+            assert slots >= len(lengths) and (tokens, slots) in shapes
+    assert slots_for(1, 64, 512) == 1 and slots_for(3, 64, 512) == 4 and slots_for(70, 16384, 512) == 128
+    assert slots_for(100, 64, 512) == 64 and slots_for(600, 16384, 512) == 512
 
 
 def test_config_rejects_nonsense() -> None:

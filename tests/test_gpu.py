@@ -14,7 +14,7 @@ import torch
 import embedctl
 from engine import Engine, EngineConfig, PackedBatch
 from engine.attention import AttentionLayout, FlashInferAttention, SdpaAttention, VarlenAttention, flashinfer_available
-from engine.graphs import all_buckets
+from engine.graphs import all_shapes
 from tests.models import BERT_BASE, save_random_model
 
 pytestmark = pytest.mark.gpu
@@ -53,7 +53,8 @@ def test_graph_replay_equals_eager(minilm_dir, texts) -> None:
     stats = model.engine.stats
     assert (stats.eager_runs, stats.captures, stats.replays) == (1, 1, 1)
     assert cosine(captured, first).min() >= 0.9999
-    np.testing.assert_array_equal(replayed, captured)
+    # Not bitwise: mean pooling sums rows with atomic adds, whose order varies from run to run.
+    np.testing.assert_allclose(replayed, captured, atol=1e-6)
     no_graphs = embedctl.load(str(minilm_dir), cuda_graphs=False)
     assert cosine(no_graphs.engine.step(batch).result(), captured).min() >= 0.9999
     assert no_graphs.engine.stats.captures == 0
@@ -87,7 +88,7 @@ def test_readback_ring_never_overwrites_unread_results(minilm_dir, texts, cpu_mi
 
 def test_warmup_captures_every_bucket(minilm_dir, texts) -> None:
     model = embedctl.load(str(minilm_dir), max_batch_tokens=2048, warmup=True)
-    assert model.engine.stats.captures == len(all_buckets(2048))
+    assert model.engine.stats.captures == len(all_shapes(2048, 512, model.engine.max_length))
     model.embed(texts[:30])
     assert model.engine.stats.eager_runs == 0 and model.engine.stats.replays > 0
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import UserError
+from engine.fused import Fused
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -74,9 +75,12 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
-        return self.LayerNorm(x + self.token_type_embeddings(token_type_ids))
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                fused: Fused) -> torch.Tensor:
+        norm = self.LayerNorm
+        return fused.embed_layer_norm(input_ids, position_ids, token_type_ids, self.word_embeddings.weight,
+                                      self.position_embeddings.weight, self.token_type_embeddings.weight,
+                                      norm.weight, norm.bias, norm.eps)
 
 
 class BertSelfAttention(nn.Module):
@@ -134,14 +138,16 @@ class BertLayer(nn.Module):
             self.qkv.bias.copy_(torch.cat([parts.query.bias, parts.key.bias, parts.value.bias]))
         del self.attention.self
 
-    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attend: Attend, fused: Fused) -> torch.Tensor:
         tokens, hidden = x.shape
         q, k, v = self.qkv(x).view(tokens, 3, self.heads, hidden // self.heads).unbind(1)
         context = attend(q, k, v).reshape(tokens, hidden)
-        out = self.attention.output
-        x = out.LayerNorm(x + out.dense(context))
-        ffn = self.output
-        return ffn.LayerNorm(x + ffn.dense(self.act(self.intermediate.dense(x))))
+        out = self.attention.output.dense(context)
+        norm = self.attention.output.LayerNorm
+        x = fused.add_layer_norm(out, x, norm.weight, norm.bias, norm.eps)
+        out = self.output.dense(self.act(self.intermediate.dense(x)))
+        norm = self.output.LayerNorm
+        return fused.add_layer_norm(out, x, norm.weight, norm.bias, norm.eps)
 
 
 class BertEncoder(nn.Module):
@@ -153,9 +159,10 @@ class BertEncoder(nn.Module):
 class BertModel(nn.Module):
     """token ids [T], positions [T], token types [T] -> hidden states [T, hidden_size]."""
 
-    def __init__(self, config: BertConfig) -> None:
+    def __init__(self, config: BertConfig, fused: Fused | None = None) -> None:
         super().__init__()
         self.config = config
+        self.fused = fused or Fused(compile=False)
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
 
@@ -191,7 +198,7 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.Tensor,
                 attend: Attend) -> torch.Tensor:
-        x = self.embeddings(input_ids, position_ids + self.config.position_offset, token_type_ids)
+        x = self.embeddings(input_ids, position_ids + self.config.position_offset, token_type_ids, self.fused)
         for layer in self.encoder.layer:
-            x = layer(x, attend)
+            x = layer(x, attend, self.fused)
         return x

@@ -6,7 +6,7 @@
 set -uo pipefail
 out=${OUT:-bench-out}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 EMBEDCTL_TEST_MODEL=.bundle/minilm
+export PYTHONUNBUFFERED=1 EMBEDCTL_TEST_MODEL=${EMBEDCTL_TEST_MODEL:-.bundle/minilm}
 if [ -d .bundle/whl ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .bundle/whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi

@@ -25,11 +25,15 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 @dataclass
 class AttentionLayout:
-    """Where each sequence of a batch starts and ends, on the device and on the host."""
+    """Where each sequence of a batch starts and ends, on the device and on the host.
+
+    tokens is the length of q, k and v: past cu_seqlens[-1] when a graph bucket pads the batch.
+    """
 
     cu_seqlens: torch.Tensor  # int32 [slots + 1] on the model's device
     cu_seqlens_host: list[int]
     max_seqlen: int
+    tokens: int
 
 
 class SdpaAttention:
@@ -80,9 +84,11 @@ class VarlenAttention:
 class FlashInferAttention:
     """FlashInfer's ragged prefill. plan() is host work (about 0.3 ms) and must precede every run.
 
-    In graph mode the wrapper owns fixed index buffers of `slots + 1` entries, so one instance serves
-    one graph bucket; unused slots are zero-length sequences. Instances share one scratch workspace:
-    they run one after another on one stream.
+    In graph mode the wrapper owns fixed index buffers, so one instance serves one graph shape;
+    unused slots are zero-length sequences. FlashInfer insists that the last offset equals the
+    length of q, so one extra sequence always covers the bucket's padding tokens (empty when there
+    are none); their rows are discarded by pooling. Instances share one scratch workspace: they run
+    one after another on one stream.
     """
 
     name = "flashinfer"
@@ -96,7 +102,7 @@ class FlashInferAttention:
         if slots is None:
             self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
         else:
-            self.indptr = torch.zeros(slots + 1, dtype=torch.int32, device=workspace.device)
+            self.indptr = torch.zeros(slots + 2, dtype=torch.int32, device=workspace.device)
             self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
                 workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.indptr, kv_indptr_buf=self.indptr)
 
@@ -104,7 +110,7 @@ class FlashInferAttention:
         # plan() rewrites a page-locked buffer that the previous plan's copy to the device may
         # still be reading while the GPU works through earlier batches: wait for that copy alone.
         self.planned.synchronize()
-        indptr = torch.tensor(layout.cu_seqlens_host, dtype=torch.int32)
+        indptr = torch.tensor(layout.cu_seqlens_host + [layout.tokens], dtype=torch.int32)
         self.wrapper.plan(indptr, indptr, self.num_heads, self.num_heads, self.head_dim,
                           causal=self.causal, q_data_type=self.dtype)
         self.planned.record()

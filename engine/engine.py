@@ -97,7 +97,7 @@ class Engine:
         inputs = np.empty(4 * tokens + seqs + 1, dtype=np.int32)
         batch.write_inputs(inputs, tokens, seqs)
         inputs_t = torch.from_numpy(inputs)
-        self.cpu_attention.plan(AttentionLayout(inputs_t[4 * tokens:], batch.cu_seqlens.tolist(), batch.max_seqlen))
+        self.cpu_attention.plan(AttentionLayout(inputs_t[4 * tokens:], batch.cu_seqlens.tolist(), batch.max_seqlen, tokens))
         return LazyTensor.done(self.forward(inputs_t, tokens, seqs, self.cpu_attention).numpy())
 
     def embed(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:

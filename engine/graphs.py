@@ -146,7 +146,7 @@ class GraphRunner:
         batch.write_inputs(host, tokens, slots)
         self.inputs[:size].copy_(staging[:size], non_blocking=True)
         staged.record()
-        return AttentionLayout(self.inputs[4 * tokens: size], host[4 * tokens: size].tolist(), max_seqlen)
+        return AttentionLayout(self.inputs[4 * tokens: size], host[4 * tokens: size].tolist(), max_seqlen, tokens)
 
     def _eager(self, batch: PackedBatch) -> torch.Tensor:
         self.eager_attention.plan(self._stage(batch, batch.num_tokens, batch.num_seqs, batch.max_seqlen))

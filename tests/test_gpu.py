@@ -104,7 +104,7 @@ def test_attention_backend_matches_exact_sdpa(backend: str, head_dim: int) -> No
     lengths = [1, 7, 128, 300, 512, 0, 64]
     cu = [0] + np.cumsum(lengths).tolist()
     q, k, v = _random_qkv(lengths, 12, head_dim)
-    layout = AttentionLayout(torch.tensor(cu, dtype=torch.int32, device="cuda"), cu, max(lengths))
+    layout = AttentionLayout(torch.tensor(cu, dtype=torch.int32, device="cuda"), cu, max(lengths), cu[-1])
     reference = SdpaAttention()
     reference.plan(layout)
     expected = reference(q.float(), k.float(), v.float())

@@ -132,8 +132,11 @@ def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
 
     On the CPU only sdpa exists. On a GPU, "auto" takes FlashInfer where its kernels cover the
     head_dim (64/128/256) and it is installed, and varlen_attn otherwise (MiniLM's head_dim 32,
-    machines without flashinfer). That order follows the measurements in bench/results: FlashInfer's
-    fa3 kernel is the faster one at large batches on Hopper.
+    machines without flashinfer). The evidence so far (bench/results/README.md): for BERT-base at
+    batch 1 FlashInfer's graphs ran 0.61 / 0.63 / 0.80 ms at 16 / 128 / 512 tokens against
+    0.61-0.82 / 0.83 / 1.00 ms for varlen_attn, plan() included; at large batches FA2 attention was
+    21% of BERT-base's GPU time, which Hopper's fa3 kernel should shrink, but that comparison has
+    not run yet. Pass --attention to override.
     """
     if device.type != "cuda":
         if requested not in ("auto", "sdpa"):

@@ -6,14 +6,19 @@ code 2; an interrupt ends with 130. Both leave any existing output untouched.
 
 from __future__ import annotations
 
+import json
 import sys
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from engine.errors import UserError
+from embedctl.progress import index_progress
+from engine import Engine, EngineConfig, UserError
+from pipelines.index import IndexOptions, open_corpus, run_index
+from pipelines.tokenize import TextTokenizer
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Fast text embeddings: index corpora into vector tables.")
@@ -78,42 +83,38 @@ def index(
     """Embed every row of SOURCE and write the vectors to --out."""
     if overwrite and append:
         _fail("--overwrite and --append contradict each other; pass one of them", report)
-    from engine import EngineConfig
-    from embedctl.progress import index_progress
-    from pipelines.index import IndexOptions, run_index
 
     def run() -> None:
+        _check_report_path(report)
         config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                               cuda_graphs=not eager, warmup=warmup, attention=attention, normalize=normalize,
                               dim=dim, max_length=max_length)
         options = IndexOptions(source=source, out=out, table=table, text_col=text_col, id_col=id_col,
                                keep=tuple(keep or ()), mode="overwrite" if overwrite else "append" if append else "create",
                                on_long=on_long.value, on_empty=on_empty.value, on_duplicate=on_duplicate.value)
+        corpus = open_corpus(options)  # a wrong path or a bad file should not wait for a model to load
         engine, tokenizer = _load(model, config)
         if verbose:
             typer.echo(f"model {engine.files.name} on {engine.device} ({engine.dtype}), attention {engine.attention}, "
                        f"dim {engine.dim}, max length {engine.max_length}, pooling {engine.pooling}", err=True)
         with index_progress(enabled=not quiet and sys.stderr.isatty()) as progress:
-            result = run_index(engine, tokenizer, options, progress)
+            result = run_index(engine, tokenizer, options, progress, corpus)
         if not quiet:
             typer.echo(result.summary(), err=True)
         if verbose:
             typer.echo(f"graphs: {result.graphs}", err=True)
         if report is not None:
-            report.write_text(result.to_json() + "\n")
+            _write_report(report, result.to_json())
 
     _guarded(run, report)
 
 
-def _load(model: str | None, config: object) -> tuple:
-    from engine import Engine
-    from pipelines.tokenize import TextTokenizer
-
+def _load(model: str | None, config: EngineConfig) -> tuple[Engine, TextTokenizer]:
     engine = Engine.load(model, config)
     return engine, TextTokenizer(engine.files.tokenizer_file, engine.max_length)
 
 
-def _guarded(run: callable, report: Path | None) -> None:
+def _guarded(run: Callable[[], None], report: Path | None) -> None:
     """Run a command; user errors and interrupts become one line and an exit code."""
     try:
         run()
@@ -127,11 +128,30 @@ def _guarded(run: callable, report: Path | None) -> None:
 def _fail(message: str, report: Path | None) -> None:
     typer.echo(f"error: {message}", err=True)
     if report is not None:
-        import json
-
-        report.write_text(json.dumps({"error": message}) + "\n")
+        try:
+            _write_report(report, json.dumps({"error": message}))
+        except UserError:
+            pass  # the error line above is the message that matters; the report cannot add to it
     raise typer.Exit(EXIT_USER_ERROR)
+
+
+def _check_report_path(report: Path | None) -> None:
+    """Refuse a --report path that cannot be written before the run, not after it."""
+    if report is not None and not report.parent.is_dir():
+        raise UserError(f"--report {report}: the directory {report.parent} does not exist; "
+                        "create it or pick another path")
+
+
+def _write_report(report: Path, text: str) -> None:
+    try:
+        report.write_text(text + "\n")
+    except OSError as error:
+        raise UserError(f"cannot write the report {report} ({error.strerror}); pick a writable --report path") from None
 
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

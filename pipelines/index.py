@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -87,33 +88,46 @@ class _Tokenized:
     vectors: np.ndarray | None = None
     filled: int = 0
 
+    def place(self, row: int, vector: np.ndarray) -> bool:
+        """Store one row's vector; True once every row of the chunk has one."""
+        if self.vectors is None:
+            self.vectors = np.empty((len(self.rows), len(vector)), dtype=np.float32)
+        self.vectors[row] = vector
+        self.filled += 1
+        return self.filled == len(self.rows)
 
-Progress = Callable[[IndexReport, int | None], None]
+
+class Progress(Protocol):
+    def __call__(self, rows: int, tokens: int, total_rows: int | None) -> None:
+        """rows done (embedded or skipped) and tokens embedded so far, out of total_rows when known."""
+
+
+def open_corpus(options: IndexOptions) -> CorpusReader:
+    """The corpus with its files found and their schemas checked: cheap, so do it before loading a model."""
+    return CorpusReader(options.source, options.text_col, options.id_col, options.keep, options.chunk_rows)
 
 
 def run_index(engine: Engine, tokenizer: TextTokenizer, options: IndexOptions,
-              progress: Progress | None = None) -> IndexReport:
-    """Embed every row of options.source into options.out; returns the run's report."""
-    reader = CorpusReader(options.source, options.text_col, options.id_col, options.keep, options.chunk_rows)
+              progress: Progress | None = None, corpus: CorpusReader | None = None) -> IndexReport:
+    """Embed every row of options.source into options.out; returns the run's report.
+
+    corpus is open_corpus(options) when the caller has opened it already. On any failure, including
+    KeyboardInterrupt, every pipeline thread has stopped and the output is as it was before the call.
+    """
+    reader = corpus or open_corpus(options)
     report = IndexReport(output=options.out, model=engine.files.name, device=str(engine.device))
-    flow = _Flow()
     started = time.perf_counter()
+    flow = _Flow()
     writer: VectorWriter | None = None
     try:
         tokenized = flow.stage(_tokenize(flow.stage(iter(reader)), tokenizer, options, report))
         first = next(tokenized, None)
         writer = open_writer(options.out, _schema(engine, first), options.mode, options.table)
-        written = flow.consume(_assemble(flow.stage_from_queue(), report, progress, reader.total_rows), writer)
-        packer = Packer(engine.max_batch_tokens, engine.config.max_seqs)
-        for item in _chain(first, tokenized):
-            for row, ids in enumerate(item.ids):
-                if (batch := packer.add(ids, (item, row))) is not None:
-                    flow.send((engine.step(batch), batch.tags))
-        if (batch := packer.flush()) is not None:
-            flow.send((engine.step(batch), batch.tags))
+        if progress is not None:
+            progress(0, 0, reader.total_rows)
+        flow.consume(_assemble(flow.stage_from_queue(), report, progress, reader.total_rows), writer)
+        _embed(engine, _chain(first, tokenized), flow)
         flow.finish()
-        written.join()
-        flow.raise_failure()
         writer.commit()
     except BaseException:
         flow.cancel()
@@ -125,54 +139,70 @@ def run_index(engine: Engine, tokenizer: TextTokenizer, options: IndexOptions,
     return report
 
 
+def _embed(engine: Engine, items: Iterator[_Tokenized], flow: _Flow) -> None:
+    """Pack rows first come, first served and send each batch's LazyTensor on to the writer thread."""
+    packer = Packer(engine.max_batch_tokens, engine.config.max_seqs)
+    for item in items:
+        for row, ids in enumerate(item.ids):
+            if (batch := packer.add(ids, (item, row))) is not None:
+                flow.send((engine.step(batch), batch.tags))
+    if (batch := packer.flush()) is not None:
+        flow.send((engine.step(batch), batch.tags))
+
+
 def _tokenize(chunks: Iterator[Chunk], tokenizer: TextTokenizer, options: IndexOptions,
               report: IndexReport) -> Iterator[_Tokenized]:
     seen: set[str] = set()
     for chunk in chunks:
         report.rows_read += len(chunk.ids)
-        rows, texts = [], []
-        for row, (row_id, text) in enumerate(zip(chunk.ids, chunk.texts)):
-            if text is None or not text.strip():
-                if options.on_empty == "error":
-                    raise UserError(f"{chunk.source} line {chunk.lines[row]}: empty text (id {row_id}); "
-                                    "remove the row or pass --on-empty skip")
-                report.skipped_empty += 1
-                continue
-            if row_id in seen:
-                if options.on_duplicate == "error":
-                    raise UserError(f"{chunk.source} line {chunk.lines[row]}: duplicate id {row_id!r}; "
-                                    "make ids unique or pass --on-duplicate skip to keep the first")
-                report.skipped_duplicate += 1
-                continue
-            seen.add(row_id)
-            rows.append(row)
-            texts.append(text)
-        encoded = tokenizer.encode(texts)
+        rows = [row for row in range(len(chunk.ids)) if _wanted(chunk, row, options, report, seen)]
+        if not rows:
+            continue
+        encoded = tokenizer.encode([chunk.texts[row] for row in rows])
         if options.on_long == "error" and any(encoded.truncated):
             row = rows[encoded.truncated.index(True)]
-            raise UserError(f"{chunk.source} line {chunk.lines[row]}: text is longer than the model's "
-                            f"{tokenizer.max_length} tokens; shorten it or pass --on-long truncate")
-        if rows:
-            yield _Tokenized(chunk, rows, encoded.ids, encoded.truncated)
+            raise UserError(f"{_where(chunk, row)}: text is longer than the model's {tokenizer.max_length} "
+                            "tokens; shorten it or pass --on-long truncate")
+        yield _Tokenized(chunk, rows, encoded.ids, encoded.truncated)
+
+
+def _wanted(chunk: Chunk, row: int, options: IndexOptions, report: IndexReport, seen: set[str]) -> bool:
+    """Whether a row goes to the engine: False (counted) for an empty text or a repeated id when skipping."""
+    row_id, text = chunk.ids[row], chunk.texts[row]
+    if text is None or not text.strip():
+        if options.on_empty == "error":
+            raise UserError(f"{_where(chunk, row)}: empty text (id {row_id!r}); remove the row or pass --on-empty skip")
+        report.skipped_empty += 1
+        return False
+    if row_id in seen:
+        if options.on_duplicate == "error":
+            raise UserError(f"{_where(chunk, row)}: duplicate id {row_id!r}; "
+                            "make ids unique or pass --on-duplicate skip to keep the first")
+        report.skipped_duplicate += 1
+        return False
+    seen.add(row_id)
+    return True
+
+
+def _where(chunk: Chunk, row: int) -> str:
+    unit = "row" if chunk.source.endswith(".parquet") else "line"
+    return f"{chunk.source} {unit} {chunk.lines[row]}"
 
 
 def _assemble(results: Iterable[tuple], report: IndexReport, progress: Progress | None,
               total_rows: int | None) -> Iterator[pa.RecordBatch]:
     """Wait on each batch's vectors in order; yield each chunk as a record batch once it is whole."""
+    embedded = 0
     for lazy, tags in results:
-        vectors = lazy.result()
-        for (item, row), vector in zip(tags, vectors):
-            if item.vectors is None:
-                item.vectors = np.empty((len(item.rows), vectors.shape[1]), dtype=np.float32)
-            item.vectors[row] = vector
-            item.filled += 1
-            if item.filled == len(item.rows):
+        for (item, row), vector in zip(tags, lazy.result()):
+            report.tokens += len(item.ids[row])
+            if item.place(row, vector):
                 report.rows_written += len(item.rows)
-                report.tokens += sum(len(ids) for ids in item.ids)
                 report.truncated += sum(item.truncated)
                 yield _record_batch(item)
-                if progress is not None:
-                    progress(report, total_rows)
+        embedded += len(tags)
+        if progress is not None:
+            progress(embedded + report.skipped, report.tokens, total_rows)
 
 
 def _record_batch(item: _Tokenized) -> pa.RecordBatch:
@@ -207,7 +237,9 @@ class _Flow:
     """Threads joined by bounded queues, with one place that remembers the first failure.
 
     stage(it) runs an iterator in its own thread and returns an iterator over its items; send()
-    and consume() are the queue from the engine loop to the writer thread. cancel() stops them all.
+    and consume() are the queue from the engine loop to the writer thread. finish() ends the
+    queue and waits for every thread; cancel() stops them all and waits for them too, so that
+    nothing still writes when the caller aborts the writer.
     """
 
     _END = object()
@@ -216,6 +248,7 @@ class _Flow:
         self.stopped = threading.Event()
         self.failure: BaseException | None = None
         self.results: queue.Queue = queue.Queue(QUEUE_DEPTH)
+        self.threads: list[threading.Thread] = []
 
     def stage(self, items: Iterator) -> Iterator:
         out: queue.Queue = queue.Queue(QUEUE_DEPTH)
@@ -226,27 +259,24 @@ class _Flow:
                     self._put(out, item)
             except BaseException as error:  # noqa: BLE001 - handed to the main thread
                 self._fail(error)
-            finally:
+            finally:  # after _fail: whoever meets the end must also see the failure
                 self._put(out, self._END, final=True)
 
-        threading.Thread(target=produce, daemon=True).start()
+        self._start(produce)
         return self._drain(out)
 
     def stage_from_queue(self) -> Iterator:
         return self._drain(self.results)
 
-    def consume(self, records: Iterator[pa.RecordBatch], writer: VectorWriter) -> threading.Thread:
+    def consume(self, records: Iterator[pa.RecordBatch], writer: VectorWriter) -> None:
         def write() -> None:
             try:
                 for record in records:
                     writer.write(record)
             except BaseException as error:  # noqa: BLE001 - handed to the main thread
                 self._fail(error)
-                self.stopped.set()
 
-        thread = threading.Thread(target=write, daemon=True)
-        thread.start()
-        return thread
+        self._start(write)
 
     def send(self, item: object) -> None:
         self._put(self.results, item)
@@ -254,9 +284,12 @@ class _Flow:
 
     def finish(self) -> None:
         self._put(self.results, self._END, final=True)
+        self._join()
+        self.raise_failure()
 
     def cancel(self) -> None:
         self.stopped.set()
+        self._join()
 
     def raise_failure(self) -> None:
         if self.failure is not None:
@@ -265,20 +298,27 @@ class _Flow:
     def _fail(self, error: BaseException) -> None:
         if self.failure is None:
             self.failure = error
+        self.stopped.set()
+
+    def _start(self, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _join(self) -> None:
+        for thread in self.threads:
+            thread.join()
 
     def _drain(self, source: queue.Queue) -> Iterator:
-        while True:
+        while not self.stopped.is_set():
             try:
                 item = source.get(timeout=0.1)
             except queue.Empty:
-                if self.stopped.is_set():
-                    self.raise_failure()
-                    return
                 continue
             if item is self._END:
-                self.raise_failure()
-                return
+                break
             yield item
+        self.raise_failure()
 
     def _put(self, target: queue.Queue, item: object, final: bool = False) -> None:
         while not self.stopped.is_set() or final:

@@ -23,10 +23,6 @@ class Encoded:
     ids: list[np.ndarray]  # int32 token ids per text
     truncated: list[bool]
 
-    @property
-    def n_tokens(self) -> list[int]:
-        return [len(ids) for ids in self.ids]
-
 
 class TextTokenizer:
     def __init__(self, tokenizer_file: Path, max_length: int) -> None:

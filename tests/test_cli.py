@@ -1,0 +1,390 @@
+"""`embedctl index` as a user runs it: real subprocesses, real files, checked from the outside.
+
+The oracles are independent of embedctl's own pipeline: expected ids and kept columns come from
+reading the inputs with pyarrow and json, token counts from the `tokenizers` library, the weights
+hash from hashlib, neighbours from lancedb's own search. Bad inputs must end with exit code 2, one
+`error:` line on stderr that names the file (and line) and the fix, and no output left behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import lancedb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer
+
+import embedctl
+from engine.checkpoint import resolve_model
+
+SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "corpus"
+MAX_LENGTH = 256  # all-MiniLM-L6-v2's sentence_bert_config.json
+# One torch thread per run: on this shared two-core machine, two-thread CPU kernels wait on each
+# other under load and make every run several times slower. The vectors are the same.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def embedctl_index(*args: object, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "embedctl.cli", "index", *map(str, args)], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+def run_side_by_side(jobs: list[tuple[list, Path]]) -> list[subprocess.CompletedProcess]:
+    """Run (arguments, cwd) jobs one per core: each spends most of its time importing torch."""
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        return list(pool.map(lambda job: embedctl_index(*job[0], cwd=job[1]), jobs))
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under directory, by relative path, with its bytes."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def write_jsonl(path: Path, rows: list[object]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def good_rows(prefix: str, n: int = 2) -> list[dict]:
+    return [{"id": f"{prefix}{i}", "text": f"A good line, number {i}."} for i in range(n)]
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, *phrases: str) -> str:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for phrase in phrases:
+        assert phrase in lines[0]
+    return lines[0]
+
+
+# Bad input. Each case writes its files into tmp and returns (arguments, phrases the error must hold).
+# A bad line sits in the second shard of docs/, so it is met after the writer has opened the output.
+
+
+def _bad_second_shard(tmp: Path, bad: object) -> str:
+    write_jsonl(tmp / "docs" / "a.jsonl", good_rows("a"))
+    write_jsonl(tmp / "docs" / "b.jsonl", [*good_rows("b"), bad])
+    return "docs/b.jsonl line 3"
+
+
+def _missing_path(tmp: Path) -> tuple[list, list[str]]:
+    return ["nowhere/docs.jsonl"], ["nowhere/docs.jsonl", "does not exist", "give a file"]
+
+
+def _corrupt_parquet(tmp: Path) -> tuple[list, list[str]]:
+    good = pq.read_table(SAMPLE / "part-000.parquet")
+    buffer = pa.BufferOutputStream()
+    pq.write_table(good, buffer)
+    data = buffer.getvalue().to_pybytes()
+    (tmp / "docs.parquet").write_bytes(data[: len(data) // 2])
+    return ["docs.parquet"], ["docs.parquet", "not a readable Parquet file", "complete Parquet file"]
+
+
+def _malformed_json(tmp: Path) -> tuple[list, list[str]]:
+    where = _bad_second_shard(tmp, '{"id": "x", "text": "no closing brace"')
+    return ["docs"], [where, "invalid JSON", "fix or remove that line"]
+
+
+def _missing_text_jsonl(tmp: Path) -> tuple[list, list[str]]:
+    where = _bad_second_shard(tmp, {"id": "x", "body": "text under another key"})
+    return ["docs"], [where, "no 'text' key", "--text-col"]
+
+
+def _missing_text_parquet(tmp: Path) -> tuple[list, list[str]]:
+    pq.write_table(pa.table({"id": ["a"], "body": ["text under another column"]}), tmp / "docs.parquet")
+    return ["docs.parquet"], ["docs.parquet", "no column 'text'", "--text-col"]
+
+
+def _non_string_text(tmp: Path) -> tuple[list, list[str]]:
+    where = _bad_second_shard(tmp, {"id": "x", "text": 42})
+    return ["docs"], [where, "not a string", "make it a string"]
+
+
+def _model_missing_files(tmp: Path) -> tuple[list, list[str]]:
+    model = tmp / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(resolve_model(None).path / name, model / name)
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--model", model], [str(model), "tokenizer.json", "--model"]
+
+
+def _duplicate_ids(tmp: Path) -> tuple[list, list[str]]:
+    where = _bad_second_shard(tmp, {"id": "a1", "text": "another text under an id used before"})
+    return ["docs"], [where, "duplicate id 'a1'", "--on-duplicate skip"]
+
+
+def _empty_text_refused(tmp: Path) -> tuple[list, list[str]]:
+    where = _bad_second_shard(tmp, {"id": "x", "text": "  \n "})
+    return ["docs", "--on-empty", "error"], [where, "empty text", "--on-empty skip"]
+
+
+def _long_text_refused(tmp: Path) -> tuple[list, list[str]]:
+    where = _bad_second_shard(tmp, {"id": "x", "text": "word " * 400})
+    return ["docs", "--on-long", "error"], [where, f"longer than the model's {MAX_LENGTH} tokens", "--on-long truncate"]
+
+
+def _overwrite_and_append(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--overwrite", "--append"], ["--overwrite and --append", "pass one of them"]
+
+
+def _lance_table(tmp: Path, dim: int = 384) -> None:
+    """x.lance shaped like an embedctl output, made with lancedb alone."""
+    schema = pa.schema([pa.field("id", pa.string()), pa.field("vector", pa.list_(pa.float32(), dim)),
+                        pa.field("n_tokens", pa.int32()), pa.field("truncated", pa.bool_())],
+                       metadata={"embedctl.dim": str(dim)})
+    rows = pa.table({"id": ["old"], "vector": [[0.5] * dim], "n_tokens": [3], "truncated": [False]}, schema=schema)
+    lancedb.connect(tmp).create_table("x", data=rows)
+
+
+def _existing_lance(tmp: Path) -> tuple[list, list[str]]:
+    _lance_table(tmp)
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl"], ["x.lance already exists", "--overwrite", "--append"]
+
+
+def _existing_parquet(tmp: Path) -> tuple[list, list[str]]:
+    pq.write_table(pa.table({"anything": [1, 2, 3]}), tmp / "x.parquet")
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl"], ["x.parquet already exists", "--overwrite"]
+
+
+def _append_other_dim(tmp: Path) -> tuple[list, list[str]]:
+    _lance_table(tmp)
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--append", "--dim", "128"], ["x.lance", "384 dimensions", "128", "--overwrite"]
+
+
+def _failed_overwrite(tmp: Path) -> tuple[list, list[str]]:
+    _lance_table(tmp)
+    where = _bad_second_shard(tmp, "not json")
+    return ["docs", "--overwrite"], [where, "invalid JSON"]
+
+
+# Each case with one kind of output; the cases that fail mid-stream cover all three kinds.
+BAD_INPUTS = [(_missing_path, "x.lance"), (_corrupt_parquet, "x.parquet"), (_malformed_json, "x.lance"),
+              (_missing_text_jsonl, "x.parquet"), (_missing_text_parquet, "out/"), (_non_string_text, "out/"),
+              (_model_missing_files, "x.lance"), (_duplicate_ids, "x.parquet"), (_empty_text_refused, "out/"),
+              (_long_text_refused, "x.lance"), (_overwrite_and_append, "x.parquet"), (_existing_lance, "x.lance"),
+              (_existing_parquet, "x.parquet"), (_append_other_dim, "x.lance"), (_failed_overwrite, "x.lance")]
+
+
+@dataclass
+class BadRun:
+    directory: Path
+    output_existed: bool
+    before: dict[str, bytes]  # every file in directory
+    phrases: list[str]  # what the error line must say
+    result: subprocess.CompletedProcess | None = None
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, BadRun]:
+    """Every bad-input case, run once, by name."""
+    runs, jobs = {}, []
+    for case, out in BAD_INPUTS:
+        tmp = tmp_path_factory.mktemp(case.__name__.strip("_"))
+        args, phrases = case(tmp)
+        runs[case.__name__] = BadRun(tmp, (tmp / out).exists(), snapshot(tmp), phrases)
+        jobs.append(([*args, "--out", out, "--report", "r.json"], tmp))
+    for run, result in zip(runs.values(), run_side_by_side(jobs)):
+        run.result = result
+    return runs
+
+
+@pytest.mark.parametrize(("case", "out"), BAD_INPUTS, ids=[case.__name__.strip("_") for case, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_changes_nothing(bad_runs: dict[str, BadRun], case, out: str) -> None:
+    run = bad_runs[case.__name__]
+    assert_one_error_line(run.result, *run.phrases)
+    assert (run.directory / out).exists() == run.output_existed
+    after = snapshot(run.directory)
+    assert json.loads(after.pop("r.json")) == {"error": run.result.stderr.strip().removeprefix("error: ")}
+    assert after == run.before  # no temporary files either
+
+
+# The happy path: sample_data/corpus (a Parquet and a JSONL shard) plus a shard of empty texts.
+
+EMPTY_SHARD = [{"id": "e1", "text": "", "source": "x"}, {"id": "e2", "text": None, "source": "x"},
+               {"id": "e3", "text": "A short text that is kept.", "source": "extra"}, {"id": "e4", "text": " \t\n"}]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    shutil.copytree(SAMPLE, root / "corpus")
+    write_jsonl(root / "corpus" / "part-002.jsonl", EMPTY_SHARD)
+    return root / "corpus"
+
+
+@pytest.fixture(scope="module")
+def expected(corpus: Path) -> pa.Table:
+    """id, text, source of every input row in input order, read without embedctl."""
+    tables = [pq.read_table(corpus / "part-000.parquet", columns=["id", "text", "source"])]
+    for name in ("part-001.jsonl", "part-002.jsonl"):
+        rows = [json.loads(line) for line in (corpus / name).read_text().splitlines()]
+        tables.append(pa.table({key: [row.get(key) for row in rows] for key in ("id", "text", "source")},
+                               schema=tables[0].schema))
+    return pa.concat_tables(tables)
+
+
+OUTPUTS = ["x.lance", "x.parquet", "dir/"]
+
+
+@pytest.fixture(scope="module")
+def happy_runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The corpus indexed into each kind of output, side by side in one directory."""
+    work = tmp_path_factory.mktemp("out")
+    jobs = [([corpus, "--out", out, "--keep", "source", "--report", f"r{n}.json"], work)
+            for n, out in enumerate(OUTPUTS)]
+    for result in run_side_by_side(jobs):
+        assert result.returncode == 0, result.stderr
+        summary = result.stderr.splitlines()
+        assert len(summary) == 1 and " rows, " in summary[0] and "tokens/s" in summary[0], result.stderr
+    return work
+
+
+@pytest.fixture(params=OUTPUTS)
+def indexed(request: pytest.FixtureRequest, happy_runs: Path) -> tuple[Path, str]:
+    return happy_runs, request.param
+
+
+def read_output(work: Path, out: str) -> pa.Table:
+    if out.endswith(".lance"):
+        return lancedb.connect(work).open_table(out.removesuffix(".lance")).to_arrow()
+    return pq.read_table(work / out)
+
+
+def test_rows_are_inputs_minus_reported_skips(indexed: tuple[Path, str], expected: pa.Table) -> None:
+    work, out = indexed
+    report = json.loads((work / f"r{OUTPUTS.index(out)}.json").read_text())
+    assert report["rows_read"] == expected.num_rows
+    assert report["skipped"] == report["skipped_empty"] == 3
+    assert read_output(work, out).num_rows == report["rows_written"] == expected.num_rows - report["skipped"]
+
+
+def test_ids_and_kept_columns_in_input_order(indexed: tuple[Path, str], expected: pa.Table) -> None:
+    work, out = indexed
+    table = read_output(work, out)
+    kept = [row for row in expected.to_pylist() if row["text"] and row["text"].strip()]
+    assert table.column("id").to_pylist() == [row["id"] for row in kept]
+    assert table.column("source").to_pylist() == [row["source"] for row in kept]
+
+
+def test_token_counts_and_truncation(indexed: tuple[Path, str], expected: pa.Table) -> None:
+    work, out = indexed
+    table = read_output(work, out)
+    tokenizer = Tokenizer.from_file(str(resolve_model(None).tokenizer_file))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    texts = dict(zip(expected.column("id").to_pylist(), expected.column("text").to_pylist()))
+    full = [len(e.ids) for e in tokenizer.encode_batch([texts[i].strip() for i in table.column("id").to_pylist()])]
+    assert table.column("n_tokens").to_pylist() == [min(n, MAX_LENGTH) for n in full]
+    assert table.column("truncated").to_pylist() == [n > MAX_LENGTH for n in full]
+    assert sum(table.column("truncated").to_pylist()) > 0  # the sample has long documents
+
+
+def test_metadata_records_the_model(indexed: tuple[Path, str]) -> None:
+    work, out = indexed
+    metadata = {k.decode(): v.decode() for k, v in read_output(work, out).schema.metadata.items()}
+    weights = hashlib.sha256((resolve_model(None).path / "model.safetensors").read_bytes()).hexdigest()
+    assert metadata == {"embedctl.model": "sentence-transformers/all-MiniLM-L6-v2",
+                        "embedctl.weights_sha256": weights, "embedctl.dim": "384", "embedctl.pooling": "mean",
+                        "embedctl.normalize": "true", "embedctl.max_length": str(MAX_LENGTH)}
+
+
+@pytest.fixture(scope="module")
+def model() -> embedctl.Embedder:
+    return embedctl.load()
+
+
+def test_vectors_are_the_models(indexed: tuple[Path, str], expected: pa.Table, model: embedctl.Embedder) -> None:
+    work, out = indexed
+    table = read_output(work, out)
+    texts = dict(zip(expected.column("id").to_pylist(), expected.column("text").to_pylist()))
+    picks = [0, 149, 150, table.num_rows - 1]  # both shards and the extra one
+    ids = [table.column("id")[i].as_py() for i in picks]
+    vectors = np.stack([table.column("vector")[i].values.to_numpy() for i in picks])
+    np.testing.assert_allclose(vectors, model.embed([texts[i] for i in ids]), atol=1e-5)
+
+
+@pytest.mark.parametrize("indexed", ["x.lance"], indirect=True)
+def test_lancedb_search_finds_a_document_by_its_own_text(indexed: tuple[Path, str], expected: pa.Table,
+                                                        model: embedctl.Embedder) -> None:
+    work, _ = indexed
+    table = lancedb.connect(work).open_table("x")
+    docs = expected.slice(140, 20).to_pylist()  # across the Parquet/JSONL boundary
+    vectors = model.embed([doc["text"] for doc in docs])
+    for doc, vector in zip(docs, vectors):
+        hits = table.search(vector).limit(3).to_list()
+        assert hits[0]["id"] == doc["id"]
+
+
+# Changing an existing LanceDB table made by embedctl (made next to the happy-path outputs).
+
+EXTRA = [{"id": "n1", "text": "A new document about tables.", "source": "new"},
+         {"id": "n2", "text": "Another new document.", "source": "new"}]
+
+
+@pytest.fixture
+def existing(tmp_path: Path, happy_runs: Path) -> Path:
+    """tmp_path with a copy of the happy path's LanceDB table as x.lance, and extra.jsonl."""
+    shutil.copytree(happy_runs / "x.lance", tmp_path / "x.lance")
+    write_jsonl(tmp_path / "extra.jsonl", EXTRA)
+    return tmp_path
+
+
+def lance_ids(work: Path) -> list[str]:
+    return lancedb.connect(work).open_table("x").to_arrow().column("id").to_pylist()
+
+
+def test_overwrite_replaces(existing: Path) -> None:
+    result = embedctl_index("extra.jsonl", "--out", "x.lance", "--keep", "source", "--overwrite", "-q", cwd=existing)
+    assert result.returncode == 0, result.stderr
+    assert lance_ids(existing) == ["n1", "n2"]
+
+
+def test_append_adds_rows(existing: Path) -> None:
+    old = lance_ids(existing)
+    result = embedctl_index("extra.jsonl", "--out", "x.lance", "--keep", "source", "--append", "-q", cwd=existing)
+    assert result.returncode == 0, result.stderr
+    assert lance_ids(existing) == [*old, "n1", "n2"]
+
+
+# Ctrl-C
+
+
+def test_interrupt_exits_130_and_leaves_nothing(tmp_path: Path) -> None:
+    sentence = "Interrupting a long run must leave no half-written vector table behind it. "
+    write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": f"{i} {sentence * 4}"} for i in range(3000)])
+    before = snapshot(tmp_path)
+    process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", "index", "docs.jsonl", "--out", "x.parquet"],
+                               cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".x.parquet.*.tmp")):  # the writer is open: the run is under way
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr + stdout
+    assert stderr.splitlines() == ["interrupted; no output was changed"]
+    assert snapshot(tmp_path) == before

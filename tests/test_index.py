@@ -1,0 +1,233 @@
+"""run_index in-process: the properties that need many small runs or a look inside the pipeline.
+
+Vectors are checked against embedctl.load().embed() (the engine packed differently), order across
+many chunks and engine batches, and what a failure leaves behind: no output, an existing output
+byte for byte as it was, and no pipeline thread still running.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import lancedb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import embedctl
+from engine import Engine, EngineConfig, UserError
+from pipelines.index import IndexOptions, IndexReport, run_index
+from pipelines.tokenize import TextTokenizer
+
+LONG = "A sentence that repeats until the text is longer than the model allows. " * 40
+OUTPUTS = ["x.lance", "x.parquet", "dir/"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> None:
+    # On a loaded two-core machine two-thread CPU kernels wait on each other; one thread is faster.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.load(None, EngineConfig(max_batch_tokens=300))  # several engine batches per chunk
+
+
+@pytest.fixture(scope="module")
+def reference() -> embedctl.Embedder:
+    """The library API with its default batch budget: the same rows, packed differently."""
+    return embedctl.load()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(engine: Engine) -> TextTokenizer:
+    return TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+
+
+def index(engine: Engine, tokenizer: TextTokenizer, source: Path, out: str, **options: object) -> IndexReport:
+    return run_index(engine, tokenizer, IndexOptions(source=str(source), out=out, chunk_rows=7, **options))
+
+
+def read_output(out: str) -> pa.Table:
+    if out.endswith(".lance"):
+        path = Path(out)
+        return lancedb.connect(path.parent).open_table(path.stem).to_arrow()
+    return pq.read_table(out)
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def write_jsonl(path: Path, rows: list[object]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def mixed_rows(n: int, prefix: str) -> list[dict]:
+    """Short, long, non-ASCII and (every fifth row) blank texts, each with a `tag` to keep."""
+    texts = ["Short text {}.", "Ünïcödé and 漢字 text {}.", LONG + "{}",
+             "A middling sentence, number {}, about tables."]
+    return [{"id": f"{prefix}{i}", "tag": f"t{prefix}{i}", "text": "  " if i % 5 == 4 else texts[i % 4].format(i)}
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """A Parquet shard and a JSONL shard, and every row in the order a reader meets them."""
+    root = tmp_path_factory.mktemp("corpus")
+    first, second = mixed_rows(33, "p"), mixed_rows(30, "j")
+    pq.write_table(pa.Table.from_pylist(first), root / "a.parquet")
+    write_jsonl(root / "b.jsonl", second)
+    return root, first + second
+
+
+@pytest.mark.parametrize("out", OUTPUTS)
+def test_vectors_ids_and_kept_columns_match_the_api_in_input_order(
+        tmp_path: Path, engine: Engine, tokenizer: TextTokenizer, reference: embedctl.Embedder,
+        corpus: tuple[Path, list[dict]], out: str) -> None:
+    source, rows = corpus
+    report = index(engine, tokenizer, source, f"{tmp_path}/{out}", keep=("tag",))
+    kept = [row for row in rows if row["text"].strip()]
+    table = read_output(f"{tmp_path}/{out}")
+    assert table.column("id").to_pylist() == [row["id"] for row in kept]
+    assert table.column("tag").to_pylist() == [row["tag"] for row in kept]
+    vectors = np.stack(table.column("vector").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(vectors, reference.embed([row["text"] for row in kept]), atol=1e-5)
+    assert report.rows_read == len(rows)
+    assert report.skipped_empty == len(rows) - len(kept)
+    assert report.rows_written == len(kept)
+    assert report.tokens == sum(table.column("n_tokens").to_pylist()) > 10 * engine.max_batch_tokens
+    assert report.truncated == sum(table.column("truncated").to_pylist()) == sum(LONG in r["text"] for r in kept)
+
+
+def test_duplicates_skipped_on_request_keep_the_first(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer,
+                                                     reference: embedctl.Embedder) -> None:
+    rows = [{"id": "a", "text": "first"}, {"id": "b", "text": "second"}, {"id": "a", "text": "again"}]
+    report = index(engine, tokenizer, write_jsonl(tmp_path / "d.jsonl", rows), f"{tmp_path}/x.parquet",
+                   on_duplicate="skip")
+    table = read_output(f"{tmp_path}/x.parquet")
+    assert table.column("id").to_pylist() == ["a", "b"]
+    np.testing.assert_allclose(table.column("vector")[0].values.to_numpy(), reference.embed(["first"])[0],
+                               atol=1e-5)
+    assert report.skipped_duplicate == 1
+
+
+def test_progress_counts_up_to_the_known_total(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer,
+                                               corpus: tuple[Path, list[dict]]) -> None:
+    source, _ = corpus
+    calls = []
+    run_index(engine, tokenizer, IndexOptions(source=str(source / "a.parquet"), out=f"{tmp_path}/x.parquet",
+                                              chunk_rows=7), lambda *args: calls.append(args))
+    assert calls[0] == (0, 0, 33)
+    rows = [rows for rows, _, _ in calls]
+    assert rows == sorted(rows) and rows[-1] == 33 and len(calls) > 3
+
+
+# Failures: a bad line far into the input, an interrupt in the engine loop, an error in the writer thread.
+
+GOOD = [{"id": f"g{i}", "text": f"Good line number {i}."} for i in range(300)]
+
+
+@pytest.fixture
+def bad_source(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "bad.jsonl", [*GOOD, '{"id": "x", "text": '])
+
+
+def existing_output(engine: Engine, tokenizer: TextTokenizer, work: Path, out: str) -> str:
+    small = write_jsonl(work / "small.jsonl", [{"id": "old", "text": "An old row."}])
+    index(engine, tokenizer, small, f"{work}/{out}")
+    return f"{work}/{out}"
+
+
+class Watch:
+    """A progress callback that remembers how many rows had been embedded."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+
+    def __call__(self, rows: int, tokens: int, total_rows: int | None) -> None:
+        self.rows = rows
+
+
+def assert_failure_changes_nothing(work: Path, run: Callable[[], object], error: type[BaseException],
+                                  match: str | None) -> None:
+    """run() raises `error`; every file under work is as before and no pipeline thread is left."""
+    before, threads = snapshot(work), threading.active_count()
+    with pytest.raises(error, match=match):
+        run()
+    assert snapshot(work) == before
+    assert threading.active_count() == threads
+
+
+@pytest.mark.parametrize("out", OUTPUTS)
+def test_bad_line_far_in_leaves_no_output(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer,
+                                          bad_source: Path, out: str) -> None:
+    existing_output(engine, tokenizer, tmp_path / "warm", out)  # LanceDB's own thread starts once, before the count
+    watch = Watch()
+    options = IndexOptions(source=str(bad_source), out=f"{tmp_path}/{out}", chunk_rows=7)
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(engine, tokenizer, options, watch),
+                                   UserError, "bad.jsonl line 301: invalid JSON")
+    assert watch.rows >= 7  # the failure came after the writer had been given rows
+    assert not (tmp_path / out).exists()
+
+
+@pytest.mark.parametrize(("out", "mode"), [("x.lance", "overwrite"), ("x.lance", "append"), ("x.parquet", "overwrite"),
+                                           ("dir/", "overwrite"), ("dir/", "append")])
+def test_bad_line_far_in_leaves_an_existing_output_untouched(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer,
+                                                             bad_source: Path, out: str, mode: str) -> None:
+    existing = existing_output(engine, tokenizer, tmp_path, out)
+    options = IndexOptions(source=str(bad_source), out=existing, mode=mode, chunk_rows=7)
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(engine, tokenizer, options),
+                                   UserError, "bad.jsonl line 301")
+    assert read_output(existing).column("id").to_pylist() == ["old"]
+
+
+@pytest.mark.parametrize("out", OUTPUTS)
+def test_interrupt_in_the_engine_loop_leaves_nothing(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer,
+                                                     monkeypatch: pytest.MonkeyPatch, out: str) -> None:
+    existing = existing_output(engine, tokenizer, tmp_path, out)
+    source = write_jsonl(tmp_path / "good.jsonl", GOOD)
+    step, calls = engine.step, []
+
+    def interrupted_step(batch: object) -> object:
+        calls.append(batch)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step(batch)
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    options = IndexOptions(source=str(source), out=existing, mode="overwrite", chunk_rows=7)
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(engine, tokenizer, options), KeyboardInterrupt, None)
+
+
+def test_error_in_the_writer_thread_reaches_the_caller(tmp_path: Path, engine: Engine,
+                                                       tokenizer: TextTokenizer) -> None:
+    existing_output(engine, tokenizer, tmp_path / "warm", "x.lance")
+    source = write_jsonl(tmp_path / "good.jsonl", GOOD)
+
+    def broken_progress(rows: int, tokens: int, total_rows: int | None) -> None:
+        if rows > 30:
+            raise RuntimeError("progress display failed")
+
+    options = IndexOptions(source=str(source), out=f"{tmp_path}/x.lance", chunk_rows=7)
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(engine, tokenizer, options, broken_progress),
+                                   RuntimeError, "progress display failed")
+
+
+def test_append_refuses_other_settings(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer) -> None:
+    existing = existing_output(engine, tokenizer, tmp_path, "x.lance")
+    other = Engine.load(None, EngineConfig(normalize=False))
+    options = IndexOptions(source=str(tmp_path / "small.jsonl"), out=existing, mode="append")
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(other, tokenizer, options),
+                                   UserError, "normalize is 'true' but this run's is 'false'; pass --overwrite")

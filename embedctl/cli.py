@@ -13,6 +13,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
+import torch
 import typer
 
 from embedctl.progress import index_progress
@@ -69,7 +70,7 @@ def index(
     max_batch_tokens: Annotated[Optional[int], typer.Option(help="Token budget per engine step [default: 16384 on GPU, 2048 on CPU].")] = None,
     max_seqs: Annotated[int, typer.Option(help="Sequences per engine step.")] = 512,
     max_length: Annotated[Optional[int], typer.Option(help="Truncate at this many tokens [default: the model's].")] = None,
-    dim: Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka), re-normalised.")] = None,
+    dim: Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka), re-normalised when normalising.")] = None,
     normalize: Annotated[Optional[bool], typer.Option("--normalize/--no-normalize", help="L2-normalise [default: as the model says].")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -120,6 +121,8 @@ def _guarded(run: Callable[[], None], report: Path | None) -> None:
         run()
     except UserError as error:
         _fail(str(error), report)
+    except torch.OutOfMemoryError:
+        _fail("the GPU ran out of memory; lower --max-batch-tokens or --max-seqs and run again", report)
     except KeyboardInterrupt:
         typer.echo("interrupted; no output was changed", err=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None

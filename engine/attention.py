@@ -14,6 +14,7 @@ choose_backend() picks one per model; the rule and the measurements behind it ar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,14 @@ import torch.nn.functional as F
 from engine.errors import UserError
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+class Attention(Protocol):
+    """What every backend offers: plan() on the host for a batch, then call on q, k, v [T, heads, d]."""
+
+    def plan(self, layout: AttentionLayout) -> None: ...
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -38,8 +47,6 @@ class AttentionLayout:
 
 class SdpaAttention:
     """Exact attention, one scaled_dot_product_attention per sequence."""
-
-    name = "sdpa"
 
     def __init__(self, causal: bool = False) -> None:
         self.causal = causal
@@ -62,8 +69,6 @@ class SdpaAttention:
 
 class VarlenAttention:
     """PyTorch's FlashAttention-2 varlen kernel; reads cu_seqlens from device memory, so it replays."""
-
-    name = "varlen"
 
     def __init__(self, causal: bool = False) -> None:
         from torch.nn.attention.varlen import varlen_attn
@@ -91,8 +96,6 @@ class FlashInferAttention:
     one after another on one stream.
     """
 
-    name = "flashinfer"
-
     def __init__(self, num_heads: int, head_dim: int, dtype: torch.dtype, workspace: torch.Tensor,
                  causal: bool = False, slots: int | None = None) -> None:
         import flashinfer
@@ -108,7 +111,8 @@ class FlashInferAttention:
 
     def plan(self, layout: AttentionLayout) -> None:
         # plan() rewrites a page-locked buffer that the previous plan's copy to the device may
-        # still be reading while the GPU works through earlier batches: wait for that copy alone.
+        # still be reading while the GPU works through earlier batches: wait until the stream has
+        # passed that copy (and so everything queued before it), not for the whole device.
         self.planned.synchronize()
         indptr = torch.tensor(layout.cu_seqlens_host + [layout.tokens], dtype=torch.int32)
         self.wrapper.plan(indptr, indptr, self.num_heads, self.num_heads, self.head_dim,
@@ -148,6 +152,9 @@ def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
         if not flashinfer_available():
             raise UserError("--attention flashinfer needs the flashinfer-python package; pip install 'embedctl[gpu]'")
         return "flashinfer"
+    if requested == "sdpa":
+        raise UserError("--attention sdpa is the CPU backend (its per-sequence loop cannot be captured in a "
+                        "CUDA graph); use varlen or flashinfer on a GPU")
     if requested == "auto":
         return "flashinfer" if head_dim in FLASHINFER_HEAD_DIMS and flashinfer_available() else "varlen"
     return requested

@@ -87,14 +87,6 @@ class Packer:
         self._tags: list[Any] = []
         self._tokens = 0
 
-    @property
-    def pending_tokens(self) -> int:
-        return self._tokens
-
-    @property
-    def pending_seqs(self) -> int:
-        return len(self._ids)
-
     def add(self, ids: Sequence[int], tag: Any, token_type_ids: Sequence[int] | None = None) -> PackedBatch | None:
         if len(ids) > self.max_batch_tokens:
             raise ValueError(f"a sequence of {len(ids)} tokens exceeds the batch budget of {self.max_batch_tokens}")

@@ -1,5 +1,5 @@
 """Finding a model and reading its files: the Hugging Face config, the sentence-transformers settings
-(pooling, normalisation, max length, prompts) and the weights.
+(pooling, normalisation, max length) and the weights.
 
 A model is a local directory in Hugging Face format, a hub id (downloaded with huggingface_hub where
 there is a network), or nothing, which means the default all-MiniLM-L6-v2 shipped offline by the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +32,6 @@ class ModelFiles:
     pooling: str
     normalize: bool
     max_length: int
-    prompts: dict[str, str] = field(default_factory=dict)
 
     @property
     def tokenizer_file(self) -> Path:
@@ -57,10 +56,8 @@ def resolve_model(name: str | None) -> ModelFiles:
     max_length = _read_json(st_config).get("max_seq_length") if st_config.is_file() else None
     if max_length is None:
         max_length = config.get("max_position_embeddings", 512) - position_offset(config)
-    st_extra = path / "config_sentence_transformers.json"
-    prompts = _read_json(st_extra).get("prompts", {}) if st_extra.is_file() else {}
     return ModelFiles(name=name, path=path, config=config, pooling=pooling, normalize=normalize,
-                      max_length=int(max_length), prompts=dict(prompts or {}))
+                      max_length=int(max_length))
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -72,7 +72,8 @@ class EngineConfig:
         On a GPU (bench/results/gpu-2026-11-30-run2, H200), BERT-base is flat past 8,192 tokens per
         batch (2.18M -> 2.24M tokens/s at 16,384) and MiniLM still gains 13% from 8,192 to 16,384.
         On a CPU, activations of more than about 2,048 tokens spill out of cache and every step
-        slows down (bench/results/cpu_budget.txt): 2,048 ran 1.6x faster than 16,384.
+        slows down: in bench/results/cpu_budget.txt, 1,024-2,048 are fastest and 16,384 is 1.27x
+        slower.
         """
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens

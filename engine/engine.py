@@ -15,7 +15,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from engine.attention import AttentionLayout, FlashInferAttention, SdpaAttention, VarlenAttention, choose_backend
+from engine.attention import Attention, AttentionLayout, FlashInferAttention, SdpaAttention, VarlenAttention, choose_backend
 from engine.batch import Packer, PackedBatch
 from engine.checkpoint import ModelFiles, load_weights, position_offset, resolve_model, weights_digest
 from engine.config import EngineConfig
@@ -78,7 +78,7 @@ class Engine:
         network.to(device=device, dtype=config.torch_dtype(device)).eval()
         return cls(network, files, config, device)
 
-    def forward(self, inputs: torch.Tensor, tokens: int, slots: int, attention: object) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, tokens: int, slots: int, attention: Attention) -> torch.Tensor:
         """The whole model on inputs laid out by PackedBatch.write_inputs -> float32 [slots, dim]."""
         input_ids, positions, token_types, seq_ids = inputs[: 4 * tokens].view(4, tokens)
         cu_seqlens = inputs[4 * tokens: 4 * tokens + slots + 1]
@@ -132,7 +132,7 @@ class Engine:
             "max_length": str(self.max_length),
         }
 
-    def _make_attention(self, slots: int | None) -> object:
+    def _make_attention(self, slots: int | None) -> Attention:
         if self.attention == "flashinfer":
             if self._flashinfer_workspace is None:
                 self._flashinfer_workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionLayout
+from engine.attention import Attention, AttentionLayout
 from engine.batch import PackedBatch
 
 SMALL_STEP, LARGE_STEP, SMALL_LIMIT = 64, 256, 1024
 
 # (inputs, tokens, slots, attention) -> [slots, dim] float32; see Engine.forward.
-Forward = Callable[[torch.Tensor, int, int, object], torch.Tensor]
+Forward = Callable[[torch.Tensor, int, int, Attention], torch.Tensor]
 
 
 def bucket_for(tokens: int) -> int:
@@ -73,7 +73,7 @@ class GraphStats:
 class _Bucket:
     tokens: int
     slots: int
-    attention: object
+    attention: Attention
     hits: int = 0
     graph: torch.cuda.CUDAGraph | None = None
     output: torch.Tensor | None = None
@@ -82,7 +82,7 @@ class _Bucket:
 class GraphRunner:
     """Runs packed batches on one CUDA device, through graphs where it can."""
 
-    def __init__(self, forward: Forward, make_attention: Callable[[int | None], object], max_tokens: int,
+    def __init__(self, forward: Forward, make_attention: Callable[[int | None], Attention], max_tokens: int,
                  max_seqs: int, max_seqlen: int, device: torch.device, use_graphs: bool) -> None:
         self.forward = forward
         self.make_attention = make_attention
@@ -101,7 +101,11 @@ class GraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
 
     def run(self, batch: PackedBatch) -> torch.Tensor:
-        """Enqueue the batch; returns the device tensor whose first num_seqs rows are its vectors."""
+        """Enqueue the batch; returns the device tensor whose first num_seqs rows are its vectors.
+
+        The tensor belongs to the graph (or the shared pool) and is valid until the next run():
+        the caller must enqueue its copy on the same stream before then, as the readback ring does.
+        """
         tokens = bucket_for(batch.num_tokens)
         bucket = self._bucket(tokens, slots_for(batch.num_seqs, tokens, self.max_seqs))
         bucket.hits += 1

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from engine.errors import UserError
+from engine.errors import UserError, short_reason
 
 _SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz")
 _GLOB = re.compile(r"[*?\[]")
@@ -88,7 +88,7 @@ class CorpusReader:
         try:
             handle = self._fs.open(f.path, "rb")
         except OSError as e:
-            raise UserError(f"cannot open {f.shown} ({_short(e)}); check the path and its permissions") from None
+            raise UserError(f"cannot open {f.shown} ({short_reason(e)}); check the path and its permissions") from None
         try:
             return handle, pq.ParquetFile(handle)
         except (pa.ArrowException, OSError) as e:
@@ -192,7 +192,7 @@ class CorpusReader:
         try:
             return self._fs.open(f.path, "rb", compression="infer")
         except OSError as e:
-            raise UserError(f"cannot open {f.shown} ({_short(e)}); check the path and its permissions") from None
+            raise UserError(f"cannot open {f.shown} ({short_reason(e)}); check the path and its permissions") from None
 
     def _parse_line(self, f: _File, number: int, raw: bytes) -> dict:
         where = f"{f.shown} line {number}"
@@ -251,7 +251,7 @@ class CorpusReader:
                 if known is not None:
                     raise UserError(
                         f"{f.shown} lines {lines[0]}-{lines[-1]}: --keep key '{name}' does not fit the type "
-                        f"{known} that earlier lines gave it ({_short(e)}); give it one type in every line"
+                        f"{known} that earlier lines gave it ({short_reason(e)}); give it one type in every line"
                     ) from None
                 column = pa.array([_as_text(v) for v in values], pa.string())
             columns[name] = column.cast(pa.string()) if pa.types.is_null(column.type) else column
@@ -265,7 +265,7 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
     try:
         fs, root = fsspec.core.url_to_fs(path)
     except (ValueError, ImportError) as e:
-        raise UserError(f"cannot open {path} ({_short(e)}); give a local path or an fsspec URL") from None
+        raise UserError(f"cannot open {path} ({short_reason(e)}); give a local path or an fsspec URL") from None
     magic = _GLOB.search(path)
     try:
         if magic:
@@ -281,7 +281,7 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
         else:
             raise UserError(f"{path} does not exist; give a file, a directory or a glob of .parquet/.jsonl files")
     except OSError as e:
-        raise UserError(f"cannot list {path} ({_short(e)}); check the path and its permissions") from None
+        raise UserError(f"cannot list {path} ({short_reason(e)}); check the path and its permissions") from None
     base_root = fsspec.core.url_to_fs(base or ".")[1].rstrip("/") + "/"
     files = []
     for p in sorted(set(found)):
@@ -301,7 +301,7 @@ def _unify(f: _File, known: pa.Schema | None, kept: pa.Schema) -> pa.Schema:
         return pa.unify_schemas([known, kept], promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
         raise UserError(
-            f"{f.shown}: a --keep column has a type that earlier files do not share ({_short(e)}); "
+            f"{f.shown}: a --keep column has a type that earlier files do not share ({short_reason(e)}); "
             "make the shards agree or drop that column from --keep"
         ) from None
 
@@ -317,7 +317,7 @@ def _numbered_lines(f: _File, handle: IO[bytes]) -> Iterator[tuple[int, bytes]]:
             raw = handle.readline()
         except (OSError, EOFError, zlib.error) as e:
             raise UserError(
-                f"{f.shown} line {number + 1}: cannot read ({_short(e)}); check that the file is complete"
+                f"{f.shown} line {number + 1}: cannot read ({short_reason(e)}); check that the file is complete"
             ) from None
         if not raw:
             return
@@ -327,13 +327,8 @@ def _numbered_lines(f: _File, handle: IO[bytes]) -> Iterator[tuple[int, bytes]]:
 
 def _unreadable_parquet(f: _File, e: Exception) -> UserError:
     return UserError(
-        f"{f.shown} is not a readable Parquet file ({_short(e)}); check that it is a complete Parquet file"
+        f"{f.shown} is not a readable Parquet file ({short_reason(e)}); check that it is a complete Parquet file"
     )
-
-
-def _short(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return text.split(". ")[0].rstrip(".")
 
 
 def _as_text(value: object) -> str | None:

@@ -23,12 +23,13 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.errors import UserError
+from engine.errors import UserError, short_reason
 
 Mode = Literal["create", "overwrite", "append"]
 
-# Metadata that differs between runs of one model, so appends do not compare it.
-_RUN_SPECIFIC = frozenset({"embedctl.created"})
+# Metadata that may differ between runs appending to one table: the model's spelling (a hub id
+# or a path to the same files; the weights' hash is what must match) and the creation time.
+_RUN_SPECIFIC = frozenset({"embedctl.created", "embedctl.model"})
 _ROW_GROUP_BYTES = 64 << 20
 _PART_BYTES = 512 << 20
 _QUEUE_BATCHES = 8
@@ -70,7 +71,7 @@ def open_writer(out: str, schema: pa.Schema, mode: Mode = "create", table: str |
         fs, path = fsspec.core.url_to_fs(out)
         is_dir = out.endswith("/") or fs.isdir(path)
     except (ValueError, ImportError, OSError) as e:
-        raise UserError(f"cannot open {out} ({_short(e)}); give a local path or an fsspec URL") from None
+        raise UserError(f"cannot open {out} ({short_reason(e)}); give a local path or an fsspec URL") from None
     if is_dir:
         return _ParquetDirWriter(out, fs, path.rstrip("/"), schema, mode)
     if out.endswith(".parquet"):
@@ -98,7 +99,7 @@ class _LanceWriter:
         try:
             self._db = lancedb.connect(db_uri)
         except ValueError as e:
-            raise UserError(f"cannot open LanceDB database {db_uri} ({_short(e)}); check the path or URI") from None
+            raise UserError(f"cannot open LanceDB database {db_uri} ({short_reason(e)}); check the path or URI") from None
         existing = self._open_existing()
         if existing is not None and mode == "create":
             raise UserError(_exists(shown))
@@ -177,7 +178,7 @@ class _LanceWriter:
 
     def _raise_failure(self) -> None:
         if isinstance(self._error, OSError):
-            raise UserError(f"cannot write {self._shown} ({_short(self._error)}); check free space and permissions")
+            raise UserError(f"cannot write {self._shown} ({short_reason(self._error)}); check free space and permissions")
         if self._error is not None:
             raise self._error
 
@@ -281,8 +282,16 @@ class _ParquetDirWriter:
             if self._sink is not None:
                 self._sink.close()
                 self._sink = None
-            for name in self._parts:
-                self._fs.mv(posixpath.join(self._tmp_dir, name), posixpath.join(self._path, name))
+            moved = []
+            try:
+                for name in self._parts:
+                    self._fs.mv(posixpath.join(self._tmp_dir, name), posixpath.join(self._path, name))
+                    moved.append(name)
+            except BaseException:
+                # Leave the directory as it was: take back the parts that already moved in.
+                for name in moved:
+                    _remove_quietly(self._fs, posixpath.join(self._path, name), recursive=False)
+                raise
             if self._replace and self._old:
                 self._fs.rm(self._old)
             self._fs.rm(self._tmp_dir, recursive=True)
@@ -384,7 +393,7 @@ def _read_schema(fs: fsspec.AbstractFileSystem, path: str, shown: str) -> pa.Sch
         return pq.read_schema(path, filesystem=fs)
     except (pa.ArrowException, OSError) as e:
         raise UserError(
-            f"cannot append to {shown}: {posixpath.basename(path)} is not a readable Parquet file ({_short(e)}); "
+            f"cannot append to {shown}: {posixpath.basename(path)} is not a readable Parquet file ({short_reason(e)}); "
             "repair or remove it, or pass --overwrite"
         ) from None
 
@@ -399,7 +408,7 @@ def _io_errors(shown: str) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        raise UserError(f"cannot write {shown} ({_short(e)}); check free space and permissions") from None
+        raise UserError(f"cannot write {shown} ({short_reason(e)}); check free space and permissions") from None
 
 
 def _remove_quietly(fs: fsspec.AbstractFileSystem, path: str, recursive: bool = False) -> None:
@@ -410,8 +419,3 @@ def _remove_quietly(fs: fsspec.AbstractFileSystem, path: str, recursive: bool = 
             fs.rmdir(path)
     except OSError:
         pass  # abort is best effort: it runs while another error is already on its way to the user
-
-
-def _short(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return text.split(". ")[0].rstrip(".")

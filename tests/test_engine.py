@@ -160,6 +160,19 @@ def test_every_possible_batch_has_a_graph_shape_for_warmup() -> None:
     assert slots_for(100, 64, 512) == 64 and slots_for(600, 16384, 512) == 512
 
 
+def test_backend_choice_follows_the_device_and_refuses_what_cannot_run() -> None:
+    from engine.attention import choose_backend
+
+    assert choose_backend("auto", torch.device("cpu"), 32) == "sdpa"
+    assert choose_backend("auto", torch.device("cuda"), 32) == "varlen"  # FlashInfer has no head_dim 32
+    with pytest.raises(UserError, match="needs a CUDA GPU"):
+        choose_backend("varlen", torch.device("cpu"), 64)
+    with pytest.raises(UserError, match="sdpa is the CPU backend"):
+        choose_backend("sdpa", torch.device("cuda"), 64)
+    with pytest.raises(UserError, match="head_dim 32"):
+        choose_backend("flashinfer", torch.device("cuda"), 32)
+
+
 def test_config_rejects_nonsense() -> None:
     with pytest.raises(UserError, match="dtype"):
         EngineConfig(dtype="int4")

@@ -202,7 +202,8 @@ def test_lance_abort_mid_stream_with_many_batches(tmp_path):
 @pytest.mark.parametrize("kind", ["dir/", "vectors.lance", "db+table"])
 def test_append_adds_rows(tmp_path, kind):
     write(tmp_path, kind, ["a", "b"])
-    created = META | {"embedctl.created": "another day"}  # run-specific, not compared
+    # run-specific, not compared: the time, and the model's spelling (same weights, other name)
+    created = META | {"embedctl.created": "another day", "embedctl.model": "/models/the-same-files"}
     assert write(tmp_path, kind, ["c"], mode="append", sch=schema(created)) == 1
     assert sorted(read_back(tmp_path, kind).column("id").to_pylist()) == ["a", "b", "c"]
 
@@ -214,12 +215,12 @@ def test_append_to_nothing_creates(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", ["dir/", "vectors.lance", "db+table"])
-def test_append_refuses_a_different_model_dim_or_columns(tmp_path, kind):
+def test_append_refuses_other_weights_dim_or_columns(tmp_path, kind):
     write(tmp_path, kind, ["a"])
     before = snapshot(tmp_path)
-    other_model = META | {"embedctl.model": "other/model"}
-    with pytest.raises(UserError, match="its embedctl.model is 'test/model' but this run's is 'other/model'"):
-        open_writer(**spec(tmp_path, kind), schema=schema(other_model), mode="append")
+    other_weights = META | {"embedctl.weights_sha256": "def"}
+    with pytest.raises(UserError, match="its embedctl.weights_sha256 is 'abc' but this run's is 'def'"):
+        open_writer(**spec(tmp_path, kind), schema=schema(other_weights), mode="append")
     with pytest.raises(UserError, match="its embedctl.pooling is None but this run's is 'cls'"):
         open_writer(**spec(tmp_path, kind), schema=schema(META | {"embedctl.pooling": "cls"}), mode="append")
     with pytest.raises(UserError, match="its vectors have 4 dimensions and this run's have 8"):

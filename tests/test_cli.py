@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 
 import embedctl
 from engine.checkpoint import resolve_model
+from tests.files import snapshot, write_jsonl
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "corpus"
 MAX_LENGTH = 256  # all-MiniLM-L6-v2's sentence_bert_config.json
@@ -46,17 +47,6 @@ def run_side_by_side(jobs: list[tuple[list, Path]]) -> list[subprocess.Completed
     """Run (arguments, cwd) jobs one per core: each spends most of its time importing torch."""
     with ThreadPoolExecutor(os.cpu_count()) as pool:
         return list(pool.map(lambda job: embedctl_index(*job[0], cwd=job[1]), jobs))
-
-
-def snapshot(directory: Path) -> dict[str, bytes]:
-    """Every file under directory, by relative path, with its bytes."""
-    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-def write_jsonl(path: Path, rows: list[object]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
-    return path
 
 
 def good_rows(prefix: str, n: int = 2) -> list[dict]:

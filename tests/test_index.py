@@ -7,7 +7,6 @@ byte for byte as it was, and no pipeline thread still running.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ import embedctl
 from engine import Engine, EngineConfig, UserError
 from pipelines.index import IndexOptions, IndexReport, run_index
 from pipelines.tokenize import TextTokenizer
+from tests.files import snapshot, write_jsonl
 
 LONG = "A sentence that repeats until the text is longer than the model allows. " * 40
 OUTPUTS = ["x.lance", "x.parquet", "dir/"]
@@ -62,16 +62,6 @@ def read_output(out: str) -> pa.Table:
         path = Path(out)
         return lancedb.connect(path.parent).open_table(path.stem).to_arrow()
     return pq.read_table(out)
-
-
-def snapshot(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-def write_jsonl(path: Path, rows: list[object]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
-    return path
 
 
 def mixed_rows(n: int, prefix: str) -> list[dict]:

@@ -169,7 +169,7 @@ def _tokenize(chunks: Iterator[Chunk], tokenizer: TextTokenizer, options: IndexO
 def _wanted(chunk: Chunk, row: int, options: IndexOptions, report: IndexReport, seen: set[str]) -> bool:
     """Whether a row goes to the engine: False (counted) for an empty text or a repeated id when skipping."""
     row_id, text = chunk.ids[row], chunk.texts[row]
-    if text is None or not text.strip():
+    if not text or text.isspace():  # no stripped copy: the tokenizer strips once
         if options.on_empty == "error":
             raise UserError(f"{_where(chunk, row)}: empty text (id {row_id!r}); remove the row or pass --on-empty skip")
         report.skipped_empty += 1

@@ -31,6 +31,8 @@ FLASHINFER_WORKSPACE_BYTES = 128 << 20
 
 
 class Engine:
+    """One model on one device. Build it with Engine.load(); feed it PackedBatches through step()."""
+
     def __init__(self, model: BertModel, files: ModelFiles, config: EngineConfig, device: torch.device) -> None:
         self.model = model
         self.files = files

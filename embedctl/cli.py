@@ -19,10 +19,11 @@ import typer
 from embedctl.progress import index_progress
 from engine import Engine, EngineConfig, UserError
 from pipelines.index import IndexOptions, open_corpus, run_index
+from pipelines.score import ScoreOptions, open_inputs, rank, write_run
 from pipelines.tokenize import TextTokenizer
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
-                  help="Fast text embeddings: index corpora into vector tables.")
+                  help="Fast text embeddings: index corpora into vector tables, rank documents for queries.")
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -43,9 +44,14 @@ class OnDuplicate(str, Enum):
     skip = "skip"
 
 
+class RunFormat(str, Enum):
+    jsonl = "jsonl"
+    trec = "trec"
+
+
 @app.callback()
 def _commands() -> None:
-    """Fast text embeddings: index corpora into vector tables."""
+    """Fast text embeddings: index corpora into vector tables, rank documents for queries."""
 
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory or hub id [default: all-MiniLM-L6-v2, offline].")]
@@ -108,6 +114,40 @@ def index(
             _write_report(report, result.to_json())
 
     _guarded(run, report)
+
+
+@app.command()
+def score(
+    queries: Annotated[str, typer.Argument(help="Queries: a Parquet/JSONL file, a directory, a glob or an fsspec URL.")],
+    docs: Annotated[str, typer.Argument(help="Documents to rank, read like QUERIES.")],
+    top_k: Annotated[int, typer.Option(help="Documents kept per query.")] = 10,
+    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Write the run to this file (default: stdout).")] = None,
+    run_format: Annotated[RunFormat, typer.Option("--format", help="jsonl rows {query_id, doc_id, rank, score}, or a TREC run.")] = RunFormat.jsonl,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing --out (at the end, atomically).")] = False,
+    model: ModelOpt = None,
+    text_col: Annotated[str, typer.Option(help="Column holding the text, in queries and documents.")] = "text",
+    id_col: Annotated[str, typer.Option(help="Column holding the id, in queries and documents; when absent, ids are file:row.")] = "id",
+    query_prompt: Annotated[str, typer.Option(help="Text put before every query, e.g. 'query: '.")] = "",
+    doc_prompt: Annotated[str, typer.Option(help="Text put before every document, e.g. 'passage: '.")] = "",
+    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Token budget per engine step [default: 16384 on GPU, 2048 on CPU].")] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary line.")] = False,
+) -> None:
+    """Rank the documents of DOCS for every query in QUERIES by cosine (bi-encoder) and write the top-k."""
+
+    def run() -> None:
+        options = ScoreOptions(queries=queries, docs=docs, out=out, top_k=top_k, format=run_format.value,
+                               overwrite=overwrite, text_col=text_col, id_col=id_col,
+                               query_prompt=query_prompt, doc_prompt=doc_prompt)
+        query_set, corpus = open_inputs(options)  # bad inputs should not wait for a model to load
+        engine, tokenizer = _load(model, EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens))
+        ranking = rank(engine, tokenizer, query_set, corpus, options)
+        write_run(ranking, options)
+        if not quiet:
+            typer.echo(ranking.summary(out), err=True)
+
+    _guarded(run, None)
 
 
 def _load(model: str | None, config: EngineConfig) -> tuple[Engine, TextTokenizer]:

@@ -161,7 +161,7 @@ def _tokenize(chunks: Iterator[Chunk], tokenizer: TextTokenizer, options: IndexO
         encoded = tokenizer.encode([chunk.texts[row] for row in rows])
         if options.on_long == "error" and any(encoded.truncated):
             row = rows[encoded.truncated.index(True)]
-            raise UserError(f"{_where(chunk, row)}: text is longer than the model's {tokenizer.max_length} "
+            raise UserError(f"{chunk.where(row)}: text is longer than the model's {tokenizer.max_length} "
                             "tokens; shorten it or pass --on-long truncate")
         yield _Tokenized(chunk, rows, encoded.ids, encoded.truncated)
 
@@ -171,22 +171,17 @@ def _wanted(chunk: Chunk, row: int, options: IndexOptions, report: IndexReport, 
     row_id, text = chunk.ids[row], chunk.texts[row]
     if not text or text.isspace():  # no stripped copy: the tokenizer strips once
         if options.on_empty == "error":
-            raise UserError(f"{_where(chunk, row)}: empty text (id {row_id!r}); remove the row or pass --on-empty skip")
+            raise UserError(f"{chunk.where(row)}: empty text (id {row_id!r}); remove the row or pass --on-empty skip")
         report.skipped_empty += 1
         return False
     if row_id in seen:
         if options.on_duplicate == "error":
-            raise UserError(f"{_where(chunk, row)}: duplicate id {row_id!r}; "
+            raise UserError(f"{chunk.where(row)}: duplicate id {row_id!r}; "
                             "make ids unique or pass --on-duplicate skip to keep the first")
         report.skipped_duplicate += 1
         return False
     seen.add(row_id)
     return True
-
-
-def _where(chunk: Chunk, row: int) -> str:
-    unit = "row" if chunk.source.endswith(".parquet") else "line"
-    return f"{chunk.source} {unit} {chunk.lines[row]}"
 
 
 def _assemble(results: Iterable[tuple], report: IndexReport, progress: Progress | None,

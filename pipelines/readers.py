@@ -37,6 +37,11 @@ class Chunk:
     lines: list[int]  # 1-based line (JSONL) or row (Parquet) in source, for error messages
     kept: pa.Table | None  # the --keep columns; the same schema in every chunk of a reader
 
+    def where(self, row: int) -> str:
+        """Where a row came from, for an error message: the file and its line (JSONL) or row (Parquet)."""
+        unit = "row" if self.source.endswith(".parquet") else "line"
+        return f"{self.source} {unit} {self.lines[row]}"
+
 
 @dataclass
 class _File:

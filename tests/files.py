@@ -1,8 +1,10 @@
-"""Small file helpers shared by the pipeline tests: write JSONL inputs, snapshot a directory's bytes."""
+"""Helpers shared by the pipeline and command-line tests: inputs to write, outputs to check."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 
@@ -16,3 +18,22 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
     return path
+
+
+# One torch thread per subprocess: tests run side by side on two cores (see tests/test_cli.py).
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def good_rows(prefix: str, n: int = 2) -> list[dict]:
+    return [{"id": f"{prefix}{i}", "text": f"A good line, number {i}."} for i in range(n)]
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, *phrases: str) -> str:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for phrase in phrases:
+        assert phrase in lines[0]
+    return lines[0]

@@ -29,15 +29,12 @@ from tokenizers import Tokenizer
 
 import embedctl
 from engine.checkpoint import resolve_model
-from tests.files import snapshot, write_jsonl
+from tests.files import ENV, assert_one_error_line, good_rows, snapshot, write_jsonl
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "corpus"
 MAX_LENGTH = 256  # all-MiniLM-L6-v2's sentence_bert_config.json
 # One torch thread per run: on this shared two-core machine, two-thread CPU kernels wait on each
 # other under load and make every run several times slower. The vectors are the same.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
 def embedctl_index(*args: object, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "embedctl.cli", "index", *map(str, args)], cwd=cwd, env=ENV,
                           capture_output=True, text=True, timeout=300)
@@ -47,21 +44,6 @@ def run_side_by_side(jobs: list[tuple[list, Path]]) -> list[subprocess.Completed
     """Run (arguments, cwd) jobs one per core: each spends most of its time importing torch."""
     with ThreadPoolExecutor(os.cpu_count()) as pool:
         return list(pool.map(lambda job: embedctl_index(*job[0], cwd=job[1]), jobs))
-
-
-def good_rows(prefix: str, n: int = 2) -> list[dict]:
-    return [{"id": f"{prefix}{i}", "text": f"A good line, number {i}."} for i in range(n)]
-
-
-def assert_one_error_line(result: subprocess.CompletedProcess, *phrases: str) -> str:
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr + result.stdout
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ")
-    for phrase in phrases:
-        assert phrase in lines[0]
-    return lines[0]
 
 
 # Bad input. Each case writes its files into tmp and returns (arguments, phrases the error must hold).

@@ -54,9 +54,9 @@ def _commands() -> None:
     """Fast text embeddings: index corpora into vector tables, rank documents for queries."""
 
 
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory or hub id [default: all-MiniLM-L6-v2, offline].")]
-DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N [default: cuda when present].")]
-DtypeOpt = Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 [default: bf16 on GPU, fp32 on CPU].")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory or hub id (default: all-MiniLM-L6-v2, offline).")]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda when present).")]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU).")]
 
 
 @app.command()
@@ -73,15 +73,16 @@ def index(
     on_long: Annotated[OnLong, typer.Option(help="Texts over the max length: truncate (recorded per row) or error.")] = OnLong.truncate,
     on_empty: Annotated[OnEmpty, typer.Option(help="Null or blank texts: skip (counted) or error.")] = OnEmpty.skip,
     on_duplicate: Annotated[OnDuplicate, typer.Option(help="Repeated ids: error, or skip all but the first.")] = OnDuplicate.error,
-    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Token budget per engine step [default: 16384 on GPU, 2048 on CPU].")] = None,
+    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU).")] = None,
     max_seqs: Annotated[int, typer.Option(help="Sequences per engine step.")] = 512,
-    max_length: Annotated[Optional[int], typer.Option(help="Truncate at this many tokens [default: the model's].")] = None,
+    max_length: Annotated[Optional[int], typer.Option(help="Truncate at this many tokens (default: the model's).")] = None,
     dim: Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka), re-normalised when normalising.")] = None,
-    normalize: Annotated[Optional[bool], typer.Option("--normalize/--no-normalize", help="L2-normalise [default: as the model says].")] = None,
+    normalize: Annotated[Optional[bool], typer.Option("--normalize/--no-normalize", help="L2-normalise (default: as the model says).")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     attention: Annotated[str, typer.Option(help="auto, sdpa, varlen or flashinfer.")] = "auto",
     eager: Annotated[bool, typer.Option(help="Run without CUDA graphs.")] = False,
+    fuse: Annotated[bool, typer.Option("--compile/--no-compile", help="Fuse residual+LayerNorm with torch.compile on a GPU.")] = True,
     warmup: Annotated[bool, typer.Option(help="Capture every CUDA graph bucket before starting.")] = False,
     report: Annotated[Optional[Path], typer.Option(help="Write the run's summary as JSON to this file.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
@@ -94,7 +95,7 @@ def index(
     def run() -> None:
         _check_report_path(report)
         config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
-                              cuda_graphs=not eager, warmup=warmup, attention=attention, normalize=normalize,
+                              cuda_graphs=not eager, compile=fuse, warmup=warmup, attention=attention, normalize=normalize,
                               dim=dim, max_length=max_length)
         options = IndexOptions(source=source, out=out, table=table, text_col=text_col, id_col=id_col,
                                keep=tuple(keep or ()), mode="overwrite" if overwrite else "append" if append else "create",
@@ -129,7 +130,7 @@ def score(
     id_col: Annotated[str, typer.Option(help="Column holding the id, in queries and documents; when absent, ids are file:row.")] = "id",
     query_prompt: Annotated[str, typer.Option(help="Text put before every query, e.g. 'query: '.")] = "",
     doc_prompt: Annotated[str, typer.Option(help="Text put before every document, e.g. 'passage: '.")] = "",
-    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Token budget per engine step [default: 16384 on GPU, 2048 on CPU].")] = None,
+    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU).")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary line.")] = False,

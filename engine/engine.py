@@ -1,7 +1,8 @@
 """Engine: a loaded model on one device, turning packed batches into vectors.
 
 step(batch) enqueues the whole model (embeddings, layers, pooling, normalisation) for one
-PackedBatch and returns a LazyTensor at once; on a GPU through lazily captured CUDA graphs
+PackedBatch and returns a LazyTensor at once; for a cross-encoder (a *ForSequenceClassification
+checkpoint) each sequence is a query-document pair and the result is its score instead of a vector; on a GPU through lazily captured CUDA graphs
 (engine.graphs) with readback through a pinned ring (engine.lazy), on the CPU eagerly with exact
 per-sequence attention. The same model code runs on both. embed() is the convenience for callers
 that just want vectors for a list of token-id sequences.
@@ -39,12 +40,20 @@ class Engine:
         self.config = config
         self.device = device
         self.dtype = next(model.parameters()).dtype
-        self.pooling = files.pooling
-        self.normalize = files.normalize if config.normalize is None else config.normalize
-        hidden = model.config.hidden_size
-        if config.dim is not None and config.dim > hidden:
-            raise UserError(f"--dim {config.dim} is larger than the model's {hidden} dimensions; pick at most {hidden}")
-        self.dim = config.dim or hidden
+        self.num_labels = model.config.num_labels
+        if self.num_labels:
+            if config.dim is not None or config.normalize:
+                raise UserError(f"{files.name} is a cross-encoder: it scores pairs and has no vectors to cut "
+                                "or normalise; drop --dim and --normalize")
+            self.pooling, self.normalize, self.dim = "cls", False, self.num_labels
+            self.sigmoid = self.num_labels == 1 and not _activation(files.config).endswith("Identity")
+        else:
+            self.pooling = files.pooling
+            self.normalize = files.normalize if config.normalize is None else config.normalize
+            hidden = model.config.hidden_size
+            if config.dim is not None and config.dim > hidden:
+                raise UserError(f"--dim {config.dim} is larger than the model's {hidden} dimensions; pick at most {hidden}")
+            self.dim = config.dim or hidden
         positions = model.config.max_position_embeddings - model.config.position_offset
         self.max_length = min(config.max_length or files.max_length, positions)
         self.max_batch_tokens = config.batch_tokens(device)
@@ -85,7 +94,11 @@ class Engine:
         input_ids, positions, token_types, seq_ids = inputs[: 4 * tokens].view(4, tokens)
         cu_seqlens = inputs[4 * tokens: 4 * tokens + slots + 1]
         hidden = self.model(input_ids, positions, token_types, attention)
-        return finish(pool(hidden, seq_ids, cu_seqlens, self.pooling), self.config.dim, self.normalize)
+        pooled = pool(hidden, seq_ids, cu_seqlens, self.pooling)
+        if self.num_labels:
+            logits = self.model.classify(pooled.to(self.dtype)).float()
+            return torch.sigmoid(logits) if self.sigmoid else logits
+        return finish(pooled, self.config.dim, self.normalize)
 
     @torch.inference_mode()
     def step(self, batch: PackedBatch) -> LazyTensor:
@@ -102,12 +115,14 @@ class Engine:
         self.cpu_attention.plan(AttentionLayout(inputs_t[4 * tokens:], batch.cu_seqlens.tolist(), batch.max_seqlen, tokens))
         return LazyTensor.done(self.forward(inputs_t, tokens, seqs, self.cpu_attention).numpy())
 
-    def embed(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
-        """Vectors for token-id sequences, float32 [len(sequences), dim], in input order."""
+    def embed(self, sequences: Sequence[Sequence[int]],
+              token_type_ids: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+        """Vectors (a cross-encoder: scores) for token-id sequences, float32 [len(sequences), dim], in order."""
         packer = Packer(self.max_batch_tokens, self.config.max_seqs)
         pending = []
         for index, ids in enumerate(sequences):
-            if (batch := packer.add(ids, index)) is not None:
+            types = token_type_ids[index] if token_type_ids is not None else None
+            if (batch := packer.add(ids, index, types)) is not None:
                 pending.append(self.step(batch))
         if (batch := packer.flush()) is not None:
             pending.append(self.step(batch))
@@ -125,6 +140,9 @@ class Engine:
 
     def settings(self) -> dict[str, str]:
         """What decides the vectors: recorded with every output so a mismatch can be caught later."""
+        if self.num_labels:
+            return {"model": self.files.name, "weights_sha256": self.weights_sha256, "labels": str(self.num_labels),
+                    "activation": "sigmoid" if self.sigmoid else "identity", "max_length": str(self.max_length)}
         return {
             "model": self.files.name,
             "weights_sha256": self.weights_sha256,
@@ -141,3 +159,8 @@ class Engine:
             return FlashInferAttention(self.model.num_heads, self.model.head_dim, self.dtype,
                                        self._flashinfer_workspace, slots=slots)
         return VarlenAttention()
+
+
+def _activation(config: dict) -> str:
+    """The score activation sentence-transformers' CrossEncoder records (default: sigmoid for one label)."""
+    return (config.get("sentence_transformers") or {}).get("activation_fn") or "Sigmoid"

@@ -23,6 +23,7 @@ from engine.errors import UserError
 class Encoded:
     ids: list[np.ndarray]  # int32 token ids per text
     truncated: list[bool]
+    type_ids: list[np.ndarray] | None = None  # int32 token types per pair; None for single texts
 
 
 class TextTokenizer:
@@ -40,3 +41,13 @@ class TextTokenizer:
         encodings = self.tokenizer.encode_batch_fast([text.strip() for text in texts])
         return Encoded(ids=[np.asarray(e.ids, dtype=np.int32) for e in encodings],
                        truncated=[bool(e.overflowing) for e in encodings])
+
+    def encode_pairs(self, firsts: Sequence[str], seconds: Sequence[str]) -> Encoded:
+        """[CLS] first [SEP] second [SEP] with token types 0 then 1, as a cross-encoder reads a pair.
+
+        Over-long pairs lose tokens from the longer side first, as transformers' tokenizers do.
+        """
+        encodings = self.tokenizer.encode_batch_fast([(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)])
+        return Encoded(ids=[np.asarray(e.ids, dtype=np.int32) for e in encodings],
+                       truncated=[bool(e.overflowing) for e in encodings],
+                       type_ids=[np.asarray(e.type_ids, dtype=np.int32) for e in encodings])

@@ -73,6 +73,37 @@ def test_random_weights_match_transformers(tmp_path, model_class: str, pooling: 
         np.testing.assert_allclose(vector, expected.numpy(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model_class", ["BertForSequenceClassification", "XLMRobertaForSequenceClassification"])
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_cross_encoder_matches_transformers_alone_and_packed(tmp_path, model_class: str, num_labels: int) -> None:
+    import transformers
+
+    path = save_random_model(tmp_path / "model", model_class, num_labels=num_labels, type_vocab_size=2)
+    engine = Engine.load(str(path), EngineConfig(device="cpu"))
+    tokenizer = embedctl.load(str(path), device="cpu").tokenizer
+    queries = ["how do I read a csv file", "what is a vector database", "short"]
+    docs = ["Use pyarrow.csv.read_csv to load it into a table.", "A store of embeddings. " * 60, "x"]
+    pairs = tokenizer.encode_pairs(queries, docs)
+    assert pairs.truncated == [False, True, False] and pairs.type_ids[0][-1] == 1 and pairs.type_ids[0][0] == 0
+    packed = engine.embed(pairs.ids, pairs.type_ids)
+    alone = np.concatenate([engine.embed([ids], [types]) for ids, types in zip(pairs.ids, pairs.type_ids)])
+    reference = getattr(transformers, model_class).from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = torch.cat([reference(input_ids=torch.from_numpy(ids).long()[None],
+                                      token_type_ids=torch.from_numpy(types).long()[None]).logits
+                            for ids, types in zip(pairs.ids, pairs.type_ids)])
+    expected = torch.sigmoid(logits) if num_labels == 1 else logits
+    assert packed.shape == (3, num_labels) and engine.settings()["labels"] == str(num_labels)
+    np.testing.assert_allclose(packed, expected.numpy(), atol=1e-5)
+    np.testing.assert_allclose(packed, alone, atol=1e-6)
+
+
+def test_cross_encoder_refuses_vector_options(tmp_path) -> None:
+    path = save_random_model(tmp_path / "model", "BertForSequenceClassification", num_labels=1)
+    with pytest.raises(UserError, match="cross-encoder.*drop --dim"):
+        Engine.load(str(path), EngineConfig(device="cpu", dim=8))
+
+
 def test_dim_truncates_then_renormalises(minilm_dir) -> None:
     full = embedctl.load(str(minilm_dir), device="cpu", normalize=False).embed(TEXTS[:2])
     short = embedctl.load(str(minilm_dir), device="cpu", dim=128).embed(TEXTS[:2])

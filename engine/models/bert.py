@@ -1,10 +1,11 @@
-"""BERT-family encoders (BERT, MiniLM, BGE, E5, GTE-style, XLM-RoBERTa) over packed token streams.
+"""BERT-family encoders (BERT, MiniLM, BGE, E5, GTE-style, XLM-RoBERTa) over packed token streams,
+and their cross-encoder form (*ForSequenceClassification: the encoder plus a head on the first token).
 
 The input is one flat stream of T tokens from many sequences laid back to back, with no padding;
 attention stays inside each sequence through the `attend` function the engine passes in
 (engine.attention). Parameter names are Hugging Face's, so checkpoints load by name; after loading,
 query/key/value are fused into one matrix so each layer runs one QKV GEMM.
-Not here: pooling, normalisation, tokenization, reading files.
+Not here: pooling, normalisation, the score activation, tokenization, reading files.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 # Checkpoints saved from BertModel have no prefix; those saved from task heads nest it.
 PREFIXES = ("bert.", "roberta.", "model.")
-# Tensors a checkpoint may carry that an embedding model never reads.
+ROBERTA_TYPES = ("roberta", "xlm-roberta")
+# Tensors a checkpoint may carry that an embedding model never reads (a cross-encoder reads its pooler).
 UNUSED = ("pooler.", "embeddings.position_ids", "cls.", "lm_head.")
 
 
@@ -46,6 +48,8 @@ class BertConfig:
     type_vocab_size: int
     layer_norm_eps: float
     position_offset: int
+    num_labels: int = 0  # 0: an embedder; more: a cross-encoder with that many label logits
+    model_type: str = "bert"
 
     @classmethod
     def from_hf(cls, config: dict, position_offset: int) -> BertConfig:
@@ -59,7 +63,7 @@ class BertConfig:
             intermediate_size=config["intermediate_size"], hidden_act=config.get("hidden_act", "gelu"),
             max_position_embeddings=config.get("max_position_embeddings", 512),
             type_vocab_size=config.get("type_vocab_size", 2), layer_norm_eps=config.get("layer_norm_eps", 1e-12),
-            position_offset=position_offset,
+            position_offset=position_offset, num_labels=_num_labels(config), model_type=config.get("model_type", "bert"),
         )
 
     @property
@@ -150,6 +154,19 @@ class BertLayer(nn.Module):
         return fused.add_layer_norm(out, x, norm.weight, norm.bias, norm.eps)
 
 
+class BertPooler(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+
+class RobertaClassificationHead(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+
 class BertEncoder(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
@@ -165,6 +182,11 @@ class BertModel(nn.Module):
         self.fused = fused or Fused(compile=False)
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
+        if config.num_labels and config.model_type in ROBERTA_TYPES:
+            self.classifier = RobertaClassificationHead(config)
+        elif config.num_labels:
+            self.pooler = BertPooler(config)
+            self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
     @property
     def head_dim(self) -> int:
@@ -176,12 +198,12 @@ class BertModel(nn.Module):
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face state dict by name; a missing or unknown tensor is an error, never random."""
+        expected = self.state_dict()
         state = {}
         for name, tensor in weights.items():
             name = next((name[len(p):] for p in PREFIXES if name.startswith(p)), name)
-            if not name.startswith(UNUSED):
+            if name in expected or not name.startswith(UNUSED):
                 state[name] = tensor
-        expected = self.state_dict()
         missing = sorted(set(expected) - set(state))
         unknown = sorted(set(state) - set(expected))
         if missing or unknown:
@@ -202,3 +224,16 @@ class BertModel(nn.Module):
         for layer in self.encoder.layer:
             x = layer(x, attend, self.fused)
         return x
+
+    def classify(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """A cross-encoder's label logits [S, num_labels] from the hidden states of each pair's first token."""
+        if isinstance(self.classifier, RobertaClassificationHead):
+            return self.classifier.out_proj(torch.tanh(self.classifier.dense(first_tokens)))
+        return self.classifier(torch.tanh(self.pooler.dense(first_tokens)))
+
+
+def _num_labels(config: dict) -> int:
+    """How many logits a *ForSequenceClassification checkpoint outputs; 0 for an embedding model."""
+    if not any(arch.endswith("ForSequenceClassification") for arch in config.get("architectures") or ()):
+        return 0
+    return len(config["id2label"]) if config.get("id2label") else int(config.get("num_labels", 2))

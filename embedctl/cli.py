@@ -19,7 +19,7 @@ import typer
 from embedctl.progress import index_progress
 from engine import Engine, EngineConfig, UserError
 from pipelines.index import IndexOptions, open_corpus, run_index
-from pipelines.score import ScoreOptions, open_inputs, rank, write_run
+from pipelines.score import ScoreOptions, open_inputs, run_score, write_run
 from pipelines.tokenize import TextTokenizer
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
@@ -120,8 +120,12 @@ def index(
 @app.command()
 def score(
     queries: Annotated[str, typer.Argument(help="Queries: a Parquet/JSONL file, a directory, a glob or an fsspec URL.")],
-    docs: Annotated[str, typer.Argument(help="Documents to rank, read like QUERIES.")],
+    docs: Annotated[Optional[str], typer.Argument(help="Documents to rank, read like QUERIES (with --index: only their texts, for --reranker).")] = None,
+    index: Annotated[Optional[str], typer.Option(help="Rank the vectors of a table built by `embedctl index` (x.lance, x.parquet, dir/).")] = None,
     top_k: Annotated[int, typer.Option(help="Documents kept per query.")] = 10,
+    reranker: Annotated[Optional[str], typer.Option(help="Cross-encoder model that rescores each query's top hits.")] = None,
+    rerank_depth: Annotated[Optional[int], typer.Option(help="Hits per query the reranker rescores (default: --top-k).")] = None,
+    qrels: Annotated[Optional[str], typer.Option(help="TREC or JSONL relevance judgements: print nDCG@10, MRR@10, Recall@k.")] = None,
     out: Annotated[Optional[str], typer.Option("--out", "-o", help="Write the run to this file (default: stdout).")] = None,
     run_format: Annotated[RunFormat, typer.Option("--format", help="jsonl rows {query_id, doc_id, rank, score}, or a TREC run.")] = RunFormat.jsonl,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing --out (at the end, atomically).")] = False,
@@ -133,22 +137,30 @@ def score(
     max_batch_tokens: Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU).")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    report: Annotated[Optional[Path], typer.Option(help="Write the summary and metrics as JSON to this file.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary line.")] = False,
 ) -> None:
-    """Rank the documents of DOCS for every query in QUERIES by cosine (bi-encoder) and write the top-k."""
+    """Rank documents for every query in QUERIES by cosine (bi-encoder), optionally rerank, and write the top-k."""
 
     def run() -> None:
-        options = ScoreOptions(queries=queries, docs=docs, out=out, top_k=top_k, format=run_format.value,
-                               overwrite=overwrite, text_col=text_col, id_col=id_col,
-                               query_prompt=query_prompt, doc_prompt=doc_prompt)
-        query_set, corpus = open_inputs(options)  # bad inputs should not wait for a model to load
-        engine, tokenizer = _load(model, EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens))
-        ranking = rank(engine, tokenizer, query_set, corpus, options)
+        _check_report_path(report)
+        options = ScoreOptions(queries=queries, docs=docs, index=index, reranker=reranker, rerank_depth=rerank_depth,
+                               qrels=qrels, out=out, top_k=top_k, format=run_format.value, overwrite=overwrite,
+                               text_col=text_col, id_col=id_col, query_prompt=query_prompt, doc_prompt=doc_prompt)
+        inputs = open_inputs(options)  # bad inputs should not wait for a model to load
+        config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens)
+        engine, tokenizer = _load(model, config)
+        ranking, metrics = run_score(engine, tokenizer, inputs, options,
+                                     reranker=_load(reranker, config) if reranker is not None else None)
         write_run(ranking, options)
         if not quiet:
             typer.echo(ranking.summary(out), err=True)
+        if metrics is not None:
+            typer.echo(metrics.summary(), err=True)
+        if report is not None:
+            _write_report(report, json.dumps({**ranking.to_dict(), "metrics": metrics.to_dict() if metrics else None}, indent=2))
 
-    _guarded(run, None)
+    _guarded(run, report)
 
 
 def _load(model: str | None, config: EngineConfig) -> tuple[Engine, TextTokenizer]:

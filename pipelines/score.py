@@ -1,15 +1,17 @@
-"""`embedctl score`: rank documents for queries by the cosine of their bi-encoder vectors.
+"""`embedctl score`: rank documents for queries by bi-encoder cosine, optionally rerank with a cross-encoder.
 
-    queries (read whole, embedded once) -> document chunks (CorpusReader) -> engine -> running top-k -> run file
+    queries (read whole, embedded once) -> documents: embedded chunk by chunk from files, or read from a
+    table built by `embedctl index` (--index) -> running top-k -> [cross-encoder rescoring] -> run file
 
-Queries are held in memory; documents are not. Each chunk of documents is embedded, scored against
-every query in one matrix product on the engine's device, and merged into a running top-k per query
+Queries are held in memory; documents are not. Each chunk of document vectors is scored against every
+query in one matrix product on the engine's device and merged into a running top-k per query
 (RunningTopK), so a corpus of any size needs memory for one chunk and k hits per query. The top-k is
-exact, and equal scores rank in document order. The run is written at the end, to stdout or to a
-temporary file renamed onto --out, so no half-written run file is ever left.
+exact, and equal scores rank in document order. A reranker (a cross-encoder engine) then rescores each
+query's top hits as packed (query, document) pairs. The run is written at the end, to stdout or to a
+temporary file renamed onto --out, so no half-written run file is ever left; metrics against qrels come
+from pipelines.qrels.
 
-It is not a cross-encoder reranker, does not read documents from a table built by `embedctl index`,
-and computes no retrieval metrics.
+It builds no vector index (the scan is exact) and does not overlap reading with the engine.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from engine import Engine
 from engine.errors import UserError, short_reason
+from pipelines.qrels import Metrics, Qrels, evaluate, read_qrels
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import TextTokenizer
 
@@ -36,13 +39,19 @@ FORMATS = ("jsonl", "trec")
 TREC_RUN_TAG = "embedctl"
 # Rows of queries scored in one matrix product: bounds the score matrix for large query sets.
 QUERY_BLOCK = 4096
+# Queries whose (query, document) pairs are tokenized and reranked together: bounds the pairs in memory.
+RERANK_QUERY_BLOCK = 256
 _WHITESPACE = re.compile(r"\s")
 
 
 @dataclass(frozen=True)
 class ScoreOptions:
     queries: str
-    docs: str
+    docs: str | None = None  # documents to embed; with --index only their texts are read, for a reranker
+    index: str | None = None  # a table written by `embedctl index` whose vectors stand for the documents
+    reranker: str | None = None  # a cross-encoder model that rescores each query's top hits
+    rerank_depth: int | None = None  # hits per query the reranker rescores (default: top_k)
+    qrels: str | None = None
     out: str | None = None  # None writes the run to stdout
     top_k: int = 10
     format: str = "jsonl"  # jsonl | trec
@@ -60,6 +69,16 @@ class Queries:
     texts: list[str]
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What open_inputs() read or opened: enough to fail on bad input before any model loads."""
+
+    queries: Queries
+    docs: CorpusReader | None
+    table: StoredVectors | None
+    qrels: Qrels | None
+
+
 @dataclass
 class Ranking:
     """Each query's hits, best first: doc_ids[q][r] scored scores[q, r]."""
@@ -70,9 +89,15 @@ class Ranking:
     documents: int = 0
     skipped_empty: int = 0
     seconds: float = 0.0
+    reranked: int = 0  # (query, document) pairs the reranker scored
+
+    def to_dict(self) -> dict[str, int | float]:
+        return {"queries": len(self.query_ids), "documents": self.documents, "top_k": int(self.scores.shape[1]),
+                "skipped_empty": self.skipped_empty, "reranked_pairs": self.reranked, "seconds": round(self.seconds, 3)}
 
     def summary(self, out: str | None) -> str:
-        return (f"{len(self.query_ids):,} queries x {self.documents:,} documents, top {self.scores.shape[1]} "
+        reranked = f", {self.reranked:,} pairs reranked" if self.reranked else ""
+        return (f"{len(self.query_ids):,} queries x {self.documents:,} documents, top {self.scores.shape[1]}{reranked} "
                 f"in {self.seconds:.1f} s; {self.skipped_empty:,} empty documents skipped -> {out or 'stdout'}")
 
 
@@ -109,47 +134,173 @@ class RunningTopK:
         self.seen += len(docs)
 
 
-def open_inputs(options: ScoreOptions) -> tuple[Queries, CorpusReader]:
-    """Check the options, read the queries and open the documents: cheap, so do it before loading a model."""
+class StoredVectors:
+    """The vectors of a table written by `embedctl index` (a .lance table, a Parquet file or directory)."""
+
+    def __init__(self, path: str, text_col: str) -> None:
+        self.path, self.text_col = path, text_col
+        try:
+            if path.rstrip("/").endswith(".lance"):
+                import lance
+
+                self._dataset = lance.dataset(path)
+            else:
+                import pyarrow.dataset
+
+                self._dataset = pyarrow.dataset.dataset(path, format="parquet")
+        except (ValueError, OSError) as error:
+            raise UserError(f"cannot open --index {path} ({short_reason(error)}); give a table written by "
+                            "`embedctl index` (x.lance, x.parquet or a directory of parts)") from None
+        schema = self._dataset.schema
+        if not {"id", "vector"} <= set(schema.names):
+            raise UserError(f"--index {path} has no id and vector columns; give a table written by `embedctl index`")
+        metadata = {key.decode(): value.decode() for key, value in (schema.metadata or {}).items()}
+        self.settings = {key.removeprefix("embedctl."): value for key, value in metadata.items()
+                         if key.startswith("embedctl.")}
+        self.has_texts = text_col in schema.names
+
+    def check_model(self, engine: Engine) -> None:
+        """Refuse to score a table's vectors against queries embedded with other model settings."""
+        for key, value in engine.settings().items():
+            if key != "model" and self.settings.get(key) != value:
+                raise UserError(f"--index {self.path} was built with {key} {self.settings.get(key)!r} but the query "
+                                f"model has {value!r}; pass the --model (and --dim) it was built with")
+
+    def chunks(self, rows: int) -> Iterator[tuple[list[str], np.ndarray]]:
+        for batch in self._dataset.to_batches(columns=["id", "vector"], batch_size=rows):
+            if batch.num_rows:
+                vectors = batch.column("vector").values.to_numpy(zero_copy_only=False)
+                yield batch.column("id").to_pylist(), vectors.reshape(batch.num_rows, -1)
+
+    def texts(self, wanted: set[str]) -> dict[str, str]:
+        found: dict[str, str] = {}
+        for batch in self._dataset.to_batches(columns=["id", self.text_col]):
+            for doc_id, text in zip(batch.column("id").to_pylist(), batch.column(self.text_col).to_pylist()):
+                if doc_id in wanted:
+                    found[doc_id] = text
+        return found
+
+
+def open_inputs(options: ScoreOptions) -> Inputs:
+    """Check the options, read the queries and qrels, open the documents: cheap, so before loading a model."""
     if options.top_k < 1:
         raise UserError(f"--top-k {options.top_k}: ask for at least 1 document per query")
+    if options.rerank_depth is not None and options.rerank_depth < options.top_k:
+        raise UserError(f"--rerank-depth {options.rerank_depth} is below --top-k {options.top_k}; "
+                        "rerank at least as many documents as you keep")
     if options.format not in FORMATS:
         raise UserError(f"unknown --format {options.format!r}; use one of {', '.join(FORMATS)}")
+    if options.docs is None and options.index is None:
+        raise UserError("no documents: give DOCS (a file or directory) or --index with a table built by `embedctl index`")
     if options.out is not None:
         _check_out(Path(options.out), options.overwrite)
     queries = _read_queries(options)
-    docs = CorpusReader(options.docs, options.text_col, options.id_col, chunk_rows=options.chunk_rows)
-    return queries, docs
+    docs = CorpusReader(options.docs, options.text_col, options.id_col, chunk_rows=options.chunk_rows) \
+        if options.docs is not None else None
+    table = StoredVectors(options.index, options.text_col) if options.index is not None else None
+    if options.reranker is not None and docs is None and not table.has_texts:
+        raise UserError(f"--reranker needs the documents' texts and --index {options.index} has no "
+                        f"'{options.text_col}' column; pass DOCS too, or index with --keep {options.text_col}")
+    qrels = read_qrels(options.qrels, queries.ids) if options.qrels is not None else None
+    return Inputs(queries, docs, table, qrels)
 
 
-def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Iterable[Chunk],
-         options: ScoreOptions) -> Ranking:
-    """The top options.top_k documents of docs for every query, by cosine."""
+def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Iterable[Chunk] | StoredVectors,
+         options: ScoreOptions, top_k: int | None = None) -> Ranking:
+    """The top documents (options.top_k unless top_k is given) for every query, by cosine."""
     started = time.perf_counter()
-    top = RunningTopK(_vectors(engine, tokenizer, queries.texts, options.query_prompt), options.top_k)
+    top = RunningTopK(_vectors(engine, tokenizer, queries.texts, options.query_prompt), top_k or options.top_k)
     doc_ids: list[str] = []
     seen: set[str] = set()
     skipped = 0
-    for chunk in docs:
-        rows = []
-        for row, (doc_id, text) in enumerate(zip(chunk.ids, chunk.texts)):
-            if not text or text.isspace():
-                skipped += 1
-                continue
-            if doc_id in seen:
-                raise UserError(f"{chunk.where(row)}: duplicate document id {doc_id!r}; make document ids unique")
-            _check_id(chunk, row, options.format)
-            seen.add(doc_id)
-            doc_ids.append(doc_id)
-            rows.append(row)
-        if rows:
-            top.add(_vectors(engine, tokenizer, [chunk.texts[row] for row in rows], options.doc_prompt))
+    if isinstance(docs, StoredVectors):
+        docs.check_model(engine)
+        for ids, vectors in docs.chunks(options.chunk_rows):
+            doc_ids.extend(ids)
+            top.add(_unit(torch.tensor(vectors, device=engine.device), normalized=False))
+    else:
+        for chunk in docs:
+            rows = []
+            for row, (doc_id, text) in enumerate(zip(chunk.ids, chunk.texts)):
+                if not text or text.isspace():
+                    skipped += 1
+                    continue
+                if doc_id in seen:
+                    raise UserError(f"{chunk.where(row)}: duplicate document id {doc_id!r}; make document ids unique")
+                _check_id(chunk, row, options.format)
+                seen.add(doc_id)
+                doc_ids.append(doc_id)
+                rows.append(row)
+            if rows:
+                top.add(_vectors(engine, tokenizer, [chunk.texts[row] for row in rows], options.doc_prompt))
     if not doc_ids:
-        raise UserError(f"{options.docs} holds no documents with text; give a corpus with at least one non-empty text")
+        source = options.docs if options.index is None else options.index
+        raise UserError(f"{source} holds no documents with text; give a corpus with at least one non-empty text")
     indices = top.indices.cpu().numpy()
     return Ranking(query_ids=queries.ids, doc_ids=[[doc_ids[i] for i in row] for row in indices],
                    scores=top.scores.cpu().numpy(), documents=len(doc_ids), skipped_empty=skipped,
                    seconds=time.perf_counter() - started)
+
+
+def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking: Ranking, texts: dict[str, str],
+           top_k: int) -> Ranking:
+    """Rescore every query's hits with a cross-encoder, best first (ties keep the first ranking's order)."""
+    started = time.perf_counter()
+    doc_ids: list[list[str]] = []
+    scores: list[np.ndarray] = []
+    pairs = 0
+    for start in range(0, len(queries.ids), RERANK_QUERY_BLOCK):
+        block = range(start, min(start + RERANK_QUERY_BLOCK, len(queries.ids)))
+        firsts = [queries.texts[q] for q in block for _ in ranking.doc_ids[q]]
+        seconds = [texts[doc_id] for q in block for doc_id in ranking.doc_ids[q]]
+        encoded = tokenizer.encode_pairs(firsts, seconds)
+        block_scores = reranker.embed(encoded.ids, encoded.type_ids)[:, 0]
+        pairs += len(firsts)
+        offset = 0
+        for q in block:
+            hits = ranking.doc_ids[q]
+            mine = block_scores[offset: offset + len(hits)]
+            offset += len(hits)
+            order = np.argsort(-mine, kind="stable")[:top_k]
+            doc_ids.append([hits[i] for i in order])
+            scores.append(mine[order])
+    return Ranking(query_ids=ranking.query_ids, doc_ids=doc_ids, scores=np.stack(scores), documents=ranking.documents,
+                   skipped_empty=ranking.skipped_empty, seconds=ranking.seconds + time.perf_counter() - started,
+                   reranked=pairs)
+
+
+def document_texts(inputs: Inputs, wanted: set[str]) -> dict[str, str]:
+    """The texts of the wanted documents: a second pass over DOCS, or the --index table's text column."""
+    if inputs.docs is None:
+        return inputs.table.texts(wanted)
+    texts = {}
+    for chunk in inputs.docs:
+        texts.update((doc_id, text) for doc_id, text in zip(chunk.ids, chunk.texts) if doc_id in wanted)
+    missing = wanted - texts.keys()
+    if missing:
+        raise UserError(f"{len(missing)} documents of --index {inputs.table.path} are not in {inputs.docs.files[0]}"
+                        f"{' and the other files' if len(inputs.docs.files) > 1 else ''} (first: {min(missing)!r}); "
+                        "pass the DOCS the table was built from")
+    return texts
+
+
+def run_score(engine: Engine, tokenizer: TextTokenizer, inputs: Inputs, options: ScoreOptions,
+              reranker: tuple[Engine, TextTokenizer] | None = None) -> tuple[Ranking, Metrics | None]:
+    """The whole command after loading: rank, rerank when asked, evaluate against qrels when given."""
+    if engine.num_labels:
+        raise UserError(f"{engine.files.name} is a cross-encoder; pass it with --reranker and a bi-encoder with --model")
+    if reranker is not None and reranker[0].num_labels != 1:
+        labels = reranker[0].num_labels
+        raise UserError(f"--reranker {reranker[0].files.name} is not a cross-encoder with one relevance score "
+                        f"({'an embedding model' if not labels else f'{labels} labels'}); pass a sequence classifier "
+                        "with one label, such as an ms-marco cross-encoder")
+    depth = (options.rerank_depth or options.top_k) if reranker is not None else options.top_k
+    ranking = rank(engine, tokenizer, inputs.queries, inputs.table or inputs.docs, options, top_k=depth)
+    if reranker is not None:
+        wanted = {doc_id for hits in ranking.doc_ids for doc_id in hits}
+        ranking = rerank(*reranker, inputs.queries, ranking, document_texts(inputs, wanted), options.top_k)
+    metrics = evaluate(ranking.query_ids, ranking.doc_ids, inputs.qrels, options.top_k) if inputs.qrels else None
+    return ranking, metrics
 
 
 def write_run(ranking: Ranking, options: ScoreOptions) -> None:
@@ -190,8 +341,11 @@ def _trec_lines(ranking: Ranking) -> Iterator[str]:
 def _vectors(engine: Engine, tokenizer: TextTokenizer, texts: list[str], prompt: str) -> torch.Tensor:
     """L2-normalised vectors on the engine's device, so that dot products are cosines."""
     vectors = torch.from_numpy(engine.embed(tokenizer.encode([prompt + text for text in texts]).ids))
-    vectors = vectors.to(engine.device)
-    return vectors if engine.normalize else torch.nn.functional.normalize(vectors, dim=1)
+    return _unit(vectors.to(engine.device), engine.normalize)
+
+
+def _unit(vectors: torch.Tensor, normalized: bool) -> torch.Tensor:
+    return vectors if normalized else torch.nn.functional.normalize(vectors.float(), dim=1)
 
 
 def _read_queries(options: ScoreOptions) -> Queries:

@@ -95,6 +95,8 @@ def main(corpus: str) -> None:
         for n, doc_id in enumerate(picked, 1):
             query = {"id": f"q{n}", "text": sentences[doc_id], "doc_id": doc_id}
             out.write(json.dumps(query, ensure_ascii=False) + "\n")
+    with open(HERE / "qrels.txt", "w", encoding="utf-8") as out:
+        out.writelines(f"q{n} 0 {doc_id} 1\n" for n, doc_id in enumerate(picked, 1))
     print(f"{len(docs)} documents, {len(picked)} queries written to {HERE}")
 
 

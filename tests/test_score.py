@@ -1,7 +1,10 @@
-"""`embedctl score` (bi-encoder): the streaming top-k, the ranking on sample_data, and the command line.
+"""`embedctl score`: the streaming top-k, the ranking on sample_data, the reranker, --index, qrels
+metrics, and the command line.
 
 Oracles: numpy's stable argsort over the full score matrix for the top-k; for the pipeline, vectors
-from the Python API (embedctl.load().embed) ranked by numpy; for the command, the files it writes.
+from the Python API (embedctl.load().embed) ranked by numpy; for the reranker, transformers'
+BertForSequenceClassification scoring each pair alone; for metrics, values worked out by hand; for
+the command, the files it writes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import torch
 import embedctl
 from embedctl.api import Embedder
 from pipelines import score
-from pipelines.score import Queries, Ranking, RunningTopK, ScoreOptions, open_inputs, rank, write_run
+from pipelines.qrels import evaluate, read_qrels
+from pipelines.score import Queries, Ranking, RunningTopK, ScoreOptions, open_inputs, rank, rerank, write_run
+from engine import UserError
+from tests.models import minilm_path, save_random_model
 from pipelines.readers import Chunk
 from tests.files import snapshot, write_jsonl
 from tests.files import ENV, assert_one_error_line, good_rows
@@ -108,8 +114,8 @@ def model(minilm_dir: Path) -> Embedder:
 def sample_ranking(model: Embedder) -> tuple[Queries, Ranking]:
     # Chunks of 64 rows: several chunks per shard, across one Parquet and one JSONL shard.
     options = ScoreOptions(queries=str(QUERIES), docs=str(CORPUS), top_k=3, chunk_rows=64)
-    queries, docs = open_inputs(options)
-    return queries, rank(model.engine, model.tokenizer, queries, docs, options)
+    inputs = open_inputs(options)
+    return inputs.queries, rank(model.engine, model.tokenizer, inputs.queries, inputs.docs, options)
 
 
 def test_a_query_finds_its_own_document(sample_ranking: tuple[Queries, Ranking]) -> None:
@@ -152,6 +158,116 @@ def test_jsonl_rows_to_stdout(sample_ranking: tuple[Queries, Ranking], capsys: p
     assert rows == [{"query_id": q, "doc_id": d, "rank": r, "score": round(float(s), 6)}
                     for q, hits, scores in zip(queries.ids, ranking.doc_ids, ranking.scores)
                     for r, (d, s) in enumerate(zip(hits, scores), start=1)]
+
+
+# Metrics against qrels
+
+
+def test_metrics_equal_the_values_worked_out_by_hand(tmp_path: Path) -> None:
+    qrels_file = tmp_path / "qrels.txt"
+    qrels_file.write_text("q1 0 a 2\nq1 0 b 1\nq1 0 z 1\nq2 0 c 1\nq3 0 d 0\n")
+    qrels = read_qrels(str(qrels_file), ["q1", "q2", "q3"])
+    run = [["x", "a", "b"], ["c", "y", "w"], ["d", "e", "f"]]
+    metrics = evaluate(["q1", "q2", "q3"], run, qrels, k=3)
+    # q1: gains 0, 2, 1 -> DCG 2/log2(3) + 1/2; ideal 2, 1, 1 -> 2 + 1/log2(3) + 1/2; first hit at rank 2;
+    # 2 of 3 relevant found. q2: perfect at rank 1. q3 has no relevant document: counted, not scored.
+    ndcg_q1 = (2 / np.log2(3) + 0.5) / (2 + 1 / np.log2(3) + 0.5)
+    assert metrics.ndcg_at_10 == pytest.approx((ndcg_q1 + 1) / 2)
+    assert metrics.mrr_at_10 == pytest.approx((0.5 + 1) / 2)
+    assert metrics.recall_at_k == pytest.approx((2 / 3 + 1) / 2)
+    assert (metrics.queries_scored, metrics.queries_unjudged) == (2, 1)
+
+
+def test_jsonl_qrels_read_like_trec(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "qrels.jsonl", [{"query_id": "q1", "doc_id": "a", "relevance": 2}, {"query_id": "q2", "doc_id": "b"}])
+    assert read_qrels(str(tmp_path / "qrels.jsonl"), ["q1", "q2"]) == {"q1": {"a": 2}, "q2": {"b": 1}}
+
+
+@pytest.mark.parametrize("text, phrases", [
+    ("q9 0 a 1\n", ["judges 1 queries that are not in the query set", "'q9'"]),
+    ("q1 0 a\n", ["line 1", "query_id iteration doc_id relevance"]),
+    ("q1 0 a high\n", ["line 1", "integer relevance"]),
+    ('{"query_id": "q1"}\n', ["line 1", "JSON object"]),
+    ("\n", ["holds no judgements"]),
+])
+def test_bad_qrels_name_the_problem(tmp_path: Path, text: str, phrases: list[str]) -> None:
+    (tmp_path / "qrels.txt").write_text(text)
+    with pytest.raises(UserError) as error:
+        read_qrels(str(tmp_path / "qrels.txt"), ["q1"])
+    for phrase in phrases:
+        assert phrase in str(error.value)
+
+
+def test_sample_qrels_score_the_sample_ranking(sample_ranking: tuple[Queries, Ranking]) -> None:
+    queries, ranking = sample_ranking
+    metrics = evaluate(ranking.query_ids, ranking.doc_ids, read_qrels(str(SAMPLE / "qrels.txt"), queries.ids), k=3)
+    wanted = {row["id"]: row["doc_id"] for row in map(json.loads, QUERIES.read_text().splitlines())}
+    first = [1.0 / (hits.index(wanted[q]) + 1) if wanted[q] in hits else 0.0 for q, hits in zip(ranking.query_ids, ranking.doc_ids)]
+    assert metrics.mrr_at_10 == pytest.approx(np.mean(first))
+    assert metrics.recall_at_k == pytest.approx(np.mean([wanted[q] in hits for q, hits in zip(ranking.query_ids, ranking.doc_ids)]))
+
+
+# The cross-encoder reranker
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_random_model(tmp_path_factory.mktemp("reranker") / "model", "BertForSequenceClassification", num_labels=1)
+
+
+def test_rerank_orders_by_the_transformers_cross_encoder(sample_ranking: tuple[Queries, Ranking], cross_encoder: Path) -> None:
+    import transformers
+
+    queries, ranking = sample_ranking
+    reranker = embedctl.load(str(cross_encoder), device="cpu")
+    texts = {row["id"]: row["text"] for row in _sample_docs()}
+    reranked = rerank(reranker.engine, reranker.tokenizer, queries, ranking, texts, top_k=2)
+    reference = transformers.BertForSequenceClassification.from_pretrained(cross_encoder).eval()
+    for q, hits in enumerate(ranking.doc_ids[:10]):
+        pairs = reranker.tokenizer.tokenizer.encode_batch([(queries.texts[q], texts[d]) for d in hits])
+        with torch.no_grad():
+            expected = [torch.sigmoid(reference(input_ids=torch.tensor([p.ids]), token_type_ids=torch.tensor([p.type_ids])).logits)[0, 0].item()
+                        for p in pairs]
+        order = np.argsort(-np.array(expected), kind="stable")[:2]
+        assert reranked.doc_ids[q] == [hits[i] for i in order]
+        np.testing.assert_allclose(reranked.scores[q], np.array(expected)[order], atol=1e-5)
+    assert reranked.reranked == 3 * len(queries.ids) and reranked.scores.shape == (len(queries.ids), 2)
+
+
+# Documents from a table built by `embedctl index`
+
+
+@pytest.fixture(scope="module")
+def sample_table(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("table") / "vectors.lance"
+    result = subprocess.run([sys.executable, "-m", "embedctl.cli", "index", str(CORPUS), "--out", str(out),
+                             "--model", str(minilm_dir), "--keep", "text", "-q"], env=ENV, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_index_table_ranks_like_the_documents(sample_table: Path, sample_ranking: tuple[Queries, Ranking], model: Embedder) -> None:
+    queries, ranking = sample_ranking
+    options = ScoreOptions(queries=str(QUERIES), index=str(sample_table), top_k=3, chunk_rows=64)
+    inputs = open_inputs(options)
+    from_table = rank(model.engine, model.tokenizer, inputs.queries, inputs.table, options)
+    assert from_table.doc_ids == ranking.doc_ids and from_table.documents == 300
+    np.testing.assert_allclose(from_table.scores, ranking.scores, atol=1e-5)
+    assert inputs.table.texts({"doc-00279"}) == {"doc-00279": next(r["text"] for r in _sample_docs() if r["id"] == "doc-00279")}
+
+
+def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_dir: Path) -> None:
+    options = ScoreOptions(queries=str(QUERIES), index=str(sample_table))
+    inputs = open_inputs(options)
+    other = embedctl.load(str(minilm_dir), device="cpu", dim=128)
+    with pytest.raises(UserError, match="was built with dim '384' but the query model has '128'"):
+        rank(other.engine, other.tokenizer, inputs.queries, inputs.table, options)
+
+
+def _sample_docs() -> list[dict]:
+    first = pq.read_table(CORPUS / "part-000.parquet").to_pylist()
+    return first + [json.loads(line) for line in (CORPUS / "part-001.jsonl").read_text().splitlines()]
 
 
 # The command line: real subprocesses
@@ -209,8 +325,33 @@ def _whitespace_id_in_trec(tmp: Path) -> tuple[list, list[str]]:
     return ["queries.jsonl", "docs.jsonl", "--format", "trec"], ["queries.jsonl line 1", "'q 1'", "--format jsonl"]
 
 
+def _no_docs_and_no_index(tmp: Path) -> tuple[list, list[str]]:
+    _good_queries(tmp)
+    return ["queries.jsonl"], ["no documents", "--index"]
+
+
+def _qrels_for_unknown_queries(tmp: Path) -> tuple[list, list[str]]:
+    _good_queries(tmp)
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    (tmp / "qrels.txt").write_text("q1 0 a0 1\nq7 0 a1 1\n")
+    return ["queries.jsonl", "docs.jsonl", "--qrels", "qrels.txt"], ["qrels.txt judges 1 queries", "'q7'"]
+
+
+def _reranker_is_not_a_cross_encoder(tmp: Path) -> tuple[list, list[str]]:
+    _good_queries(tmp)
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["queries.jsonl", "docs.jsonl", "--reranker", minilm_path()], ["is not a cross-encoder", "an embedding model"]
+
+
+def _rerank_depth_below_top_k(tmp: Path) -> tuple[list, list[str]]:
+    _good_queries(tmp)
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["queries.jsonl", "docs.jsonl", "--reranker", "x", "--rerank-depth", "5"], ["--rerank-depth 5 is below --top-k 10"]
+
+
 BAD_INPUTS = [_duplicate_query_ids, _duplicate_doc_ids, _no_queries, _no_documents, _top_k_zero, _existing_out,
-              _whitespace_id_in_trec]
+              _whitespace_id_in_trec, _no_docs_and_no_index, _qrels_for_unknown_queries, _reranker_is_not_a_cross_encoder,
+              _rerank_depth_below_top_k]
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +365,10 @@ def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
     good = tmp_path_factory.mktemp("trec")
     (good / "run.trec").write_text("an earlier run\n")
     jobs["trec"] = (good, {}, [], [QUERIES, CORPUS, "--format", "trec", "--top-k", "5", "--out", "run.trec", "--overwrite"])
+    reranked = tmp_path_factory.mktemp("reranked")
+    cross_encoder = save_random_model(reranked / "reranker", "BertForSequenceClassification", num_labels=1)
+    jobs["reranked"] = (reranked, {}, [], [QUERIES, CORPUS, "--reranker", cross_encoder, "--rerank-depth", "20", "--top-k", "10",
+                                           "--qrels", SAMPLE / "qrels.txt", "--report", "report.json", "--out", "run.jsonl"])
     with ThreadPoolExecutor(2) as pool:
         results = pool.map(lambda job: embedctl_score(*job[3], cwd=job[0]), jobs.values())
         return {name: (*job[:3], result) for (name, job), result in zip(jobs.items(), results)}
@@ -235,6 +380,20 @@ def test_bad_input_is_one_line_and_writes_nothing(cli_runs: dict, case: str) -> 
     assert_one_error_line(result, *phrases)
     assert result.stdout == ""
     assert snapshot(directory) == before
+
+
+def test_reranked_run_with_metrics_and_report(cli_runs: dict) -> None:
+    directory, _, _, result = cli_runs["reranked"]
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (directory / "run.jsonl").read_text().splitlines()]
+    assert len(rows) == 50 * 10 and all((r["rank"] == 1) == (i % 10 == 0) for i, r in enumerate(rows))
+    report = json.loads((directory / "report.json").read_text())
+    assert report["reranked_pairs"] == 50 * 20 and report["metrics"]["queries_scored"] == 50
+    # Metrics of the written run, recomputed here from the sample qrels.
+    wanted = {row["id"]: row["doc_id"] for row in map(json.loads, QUERIES.read_text().splitlines())}
+    hits = {q: [r["doc_id"] for r in rows if r["query_id"] == q] for q in wanted}
+    assert report["metrics"]["recall@10"] == pytest.approx(np.mean([wanted[q] in hits[q] for q in wanted]), abs=1e-6)
+    assert f"Recall@10 {report['metrics']['recall@10']:.4f}" in result.stderr and "nDCG@10" in result.stderr
 
 
 def test_trec_run_file(cli_runs: dict, sample_ranking: tuple[Queries, Ranking]) -> None:

@@ -1,0 +1,114 @@
+"""Relevance judgements (qrels) and the retrieval metrics of a run against them.
+
+Qrels come as a TREC qrels file (`query_id iteration doc_id relevance` per line) or as JSONL rows
+{"query_id", "doc_id", "relevance"}. Metrics follow trec_eval's definitions: nDCG@10 with linear
+gains (relevance / log2(rank + 1), ideal order from the judgements), MRR@10 (reciprocal rank of the
+first relevant document in the top 10) and Recall@k (relevant documents found in the run's top k over
+all relevant ones); a document is relevant when its relevance is above 0. Averages are over the
+queries that have at least one relevant judgement; queries without one are counted, not scored.
+
+It reads no runs from files and computes no statistical tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import fsspec
+
+from engine.errors import UserError, short_reason
+
+CUTOFF = 10
+
+Qrels = dict[str, dict[str, int]]  # query id -> doc id -> relevance
+
+
+@dataclass(frozen=True)
+class Metrics:
+    ndcg_at_10: float
+    mrr_at_10: float
+    recall_at_k: float
+    k: int
+    queries_scored: int
+    queries_unjudged: int
+
+    def summary(self) -> str:
+        return (f"nDCG@10 {self.ndcg_at_10:.4f}, MRR@10 {self.mrr_at_10:.4f}, Recall@{self.k} {self.recall_at_k:.4f} "
+                f"over {self.queries_scored:,} judged queries ({self.queries_unjudged:,} without relevant documents)")
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"ndcg@10": round(self.ndcg_at_10, 6), "mrr@10": round(self.mrr_at_10, 6),
+                f"recall@{self.k}": round(self.recall_at_k, 6), "queries_scored": self.queries_scored,
+                "queries_unjudged": self.queries_unjudged}
+
+
+def read_qrels(path: str, query_ids: Sequence[str]) -> Qrels:
+    """The judgements in path; a query the run does not have is an error (a wrong file or id column)."""
+    try:
+        with fsspec.open(path, "rt", encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except (OSError, ValueError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read --qrels {path} ({short_reason(error)}); check the path") from None
+    qrels: Qrels = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        query_id, doc_id, relevance = _parse(path, number, line)
+        qrels.setdefault(query_id, {})[doc_id] = relevance
+    if not qrels:
+        raise UserError(f"--qrels {path} holds no judgements; give a TREC qrels or JSONL qrels file")
+    known = set(query_ids)
+    unknown = [query_id for query_id in qrels if query_id not in known]
+    if unknown:
+        raise UserError(f"--qrels {path} judges {len(unknown)} queries that are not in the query set "
+                        f"(first: {unknown[0]!r}); use the qrels of these queries or check --id-col")
+    return qrels
+
+
+def evaluate(query_ids: Sequence[str], doc_ids: Sequence[Sequence[str]], qrels: Qrels, k: int) -> Metrics:
+    """Metrics of a run: doc_ids[q] is query q's ranked list, best first."""
+    ndcg, mrr, recall = [], [], []
+    for query_id, ranked in zip(query_ids, doc_ids):
+        judged = qrels.get(query_id, {})
+        relevant = {doc for doc, relevance in judged.items() if relevance > 0}
+        if not relevant:
+            continue
+        gains = [max(judged.get(doc, 0), 0) for doc in ranked[:CUTOFF]]
+        ideal = sorted((relevance for relevance in judged.values() if relevance > 0), reverse=True)[:CUTOFF]
+        ndcg.append(_dcg(gains) / _dcg(ideal))
+        first = next((rank for rank, doc in enumerate(ranked[:CUTOFF], start=1) if doc in relevant), None)
+        mrr.append(1.0 / first if first else 0.0)
+        recall.append(len(relevant.intersection(ranked[:k])) / len(relevant))
+    scored = len(ndcg)
+    return Metrics(ndcg_at_10=_mean(ndcg), mrr_at_10=_mean(mrr), recall_at_k=_mean(recall), k=k,
+                   queries_scored=scored, queries_unjudged=len(query_ids) - scored)
+
+
+def _parse(path: str, number: int, line: str) -> tuple[str, str, int]:
+    if line.lstrip().startswith("{"):
+        try:
+            row = json.loads(line)
+            return str(row["query_id"]), str(row["doc_id"]), int(row.get("relevance", 1))
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"--qrels {path} line {number}: not a JSON object with query_id, doc_id and an integer "
+                            "relevance; fix the line") from None
+    fields = line.split()
+    if len(fields) != 4 or not _is_int(fields[3]):
+        raise UserError(f"--qrels {path} line {number}: expected 'query_id iteration doc_id relevance' "
+                        f"with an integer relevance, got {line.strip()[:80]!r}; fix the line")
+    return fields[0], fields[2], int(fields[3])
+
+
+def _is_int(text: str) -> bool:
+    return text.lstrip("-").isdigit()
+
+
+def _dcg(gains: Sequence[int]) -> float:
+    return sum(gain / math.log2(rank + 1) for rank, gain in enumerate(gains, start=1))
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

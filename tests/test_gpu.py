@@ -146,3 +146,20 @@ def test_index_on_gpu_equals_cpu(minilm_dir, tmp_path) -> None:
     assert outputs["cuda"].column("id").to_pylist() == outputs["cpu"].column("id").to_pylist()
     gpu, cpu = (np.stack(outputs[d].column("vector").to_numpy(zero_copy_only=False)) for d in ("cuda", "cpu"))
     assert cosine(gpu, cpu).min() >= 0.999
+
+
+@pytest.mark.parametrize("attention", ["varlen", pytest.param("flashinfer", marks=needs_flashinfer)])
+def test_cross_encoder_on_the_gpu_equals_the_cpu(tmp_path, attention: str) -> None:
+    path = save_random_model(tmp_path / "cross-encoder", "BertForSequenceClassification", num_labels=2, **BERT_BASE)
+    reference = Engine.load(str(path), EngineConfig(device="cpu"))
+    engine = Engine.load(str(path), EngineConfig(attention=attention))
+    rng = np.random.default_rng(0)
+    ids = [np.concatenate([[101], rng.integers(2000, 20000, n), [102]]).astype(np.int32) for n in (14, 300, 509, 60)]
+    types = [np.where(np.arange(len(seq)) > len(seq) // 3, 1, 0).astype(np.int32) for seq in ids]
+    expected = reference.embed(ids, types)
+    results = [engine.embed(ids, types) for _ in range(3)]  # eager, capture, replay
+    assert (engine.stats.eager_runs, engine.stats.captures, engine.stats.replays) == (1, 1, 1)
+    spread = np.abs(expected).max()
+    for scores in results:
+        assert scores.shape == (4, 2)
+        assert np.abs(scores - expected).max() <= 0.02 * spread + 1e-3

@@ -1,0 +1,108 @@
+"""The low-latency ranking suite: a cross-encoder scoring 5, 25 and 50 (query, document) pairs of 512 tokens.
+
+Ours: TextTokenizer.encode_pairs then Engine.embed (packed pairs, CUDA graphs, pinned readback), the
+path `embedctl score --reranker` runs. Peer: sentence-transformers' CrossEncoder.predict on the same
+checkpoint and GPU, in fp16 and fp32 (its default). Both include tokenization and the copy of the
+scores to the host. The model is BERT-base shaped with random weights (timings do not depend on the
+weights; no cross-encoder weights ship offline). Writes results.json and report.md under --out.
+`--smoke` runs tiny sizes on any device to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from bench.gpu_engine import percentiles
+from engine import Engine, EngineConfig
+from pipelines.tokenize import TextTokenizer
+from tests.models import BERT_BASE, SMALL_BERT, save_random_model
+
+PAIRS = (5, 25, 50)
+PAIR_TOKENS = 512
+QUERY = "how do I stream record batches from a parquet file into a vector database"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", type=Path, required=True, help="Parquet file with a text column")
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=Path("bench-out/rerank"))
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    shape = SMALL_BERT if args.smoke else BERT_BASE
+    repeats = 3 if args.smoke else args.repeats
+    path = save_random_model(Path(tempfile.mkdtemp(prefix="embedctl-rerank-")) / "cross-encoder",
+                             "BertForSequenceClassification", num_labels=1, **shape)
+    engine = Engine.load(str(path), EngineConfig(attention=args.attention))
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+    docs = long_documents(args.corpus, tokenizer, max(PAIRS))
+    results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+               "attention": engine.attention, "dtype": str(engine.dtype), "pair_tokens": engine.max_length, "points": {}}
+    # fp16 is how the peer figures in ../shared/gpu/README.md were taken; fp32 is CrossEncoder's default.
+    peers = {"sentence_transformers_fp16": cross_encoder(path, torch.float16),
+             "sentence_transformers_fp32": cross_encoder(path, torch.float32)}
+    for pairs in PAIRS:
+        queries, texts = [QUERY] * pairs, docs[:pairs]
+
+        def ours() -> object:
+            encoded = tokenizer.encode_pairs(queries, texts)
+            return engine.embed(encoded.ids, encoded.type_ids)
+
+        point = {"ours": percentiles(ours, repeats)}
+        for name, peer in peers.items():
+            point[name] = percentiles(lambda: peer.predict(list(zip(queries, texts)), batch_size=pairs), repeats)
+        results["points"][pairs] = point
+        print(f"{pairs} pairs: {json.dumps(point)}", flush=True)
+    results["graph_stats"] = vars(engine.stats)
+    report = render(results)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    (args.out / "report.md").write_text(report)
+    print(report)
+
+
+def long_documents(corpus: Path, tokenizer: TextTokenizer, count: int) -> list[str]:
+    """Documents that fill a max-length pair with the query: corpus texts joined until long enough."""
+    texts = pq.read_table(corpus, columns=["text"]).column("text").to_pylist()
+    docs, current = [], ""
+    for text in texts:
+        current = f"{current} {text}".strip()
+        if len(tokenizer.encode([current]).ids[0]) >= tokenizer.max_length:
+            docs.append(current)
+            current = ""
+            if len(docs) == count:
+                break
+    encoded = tokenizer.encode_pairs([QUERY] * len(docs), docs)
+    assert len(docs) == count and all(len(ids) == tokenizer.max_length for ids in encoded.ids)
+    return docs
+
+
+def cross_encoder(path: Path, dtype: torch.dtype):  # noqa: ANN201 - sentence_transformers is a bench-only import
+    from sentence_transformers import CrossEncoder
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return CrossEncoder(str(path), device=device, max_length=PAIR_TOKENS, model_kwargs={"dtype": dtype})
+
+
+def render(results: dict) -> str:
+    names = list(next(iter(results["points"].values())))
+    lines = [f"# Cross-encoder latency, BERT-base shape, pairs of {results['pair_tokens']} tokens",
+             f"{results['device']}, torch {results['torch']}, ours {results['dtype']} attention {results['attention']}; "
+             "tokenization and readback included; p50 / p99 ms", "",
+             "| pairs | " + " | ".join(names) + " | ours vs ST fp16 (p50) |", "|---" * (len(names) + 2) + "|"]
+    for pairs, point in results["points"].items():
+        cells = [f"{point[n]['p50_ms']:.2f} / {point[n]['p99_ms']:.2f}" for n in names]
+        speedup = point["sentence_transformers_fp16"]["p50_ms"] / point["ours"]["p50_ms"]
+        lines.append(f"| {pairs} | " + " | ".join(cells) + f" | {speedup:.1f}x |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

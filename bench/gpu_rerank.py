@@ -24,7 +24,6 @@ from pipelines.tokenize import TextTokenizer
 from tests.models import BERT_BASE, SMALL_BERT, save_random_model
 
 PAIRS = (5, 25, 50)
-PAIR_TOKENS = 512
 QUERY = "how do I stream record batches from a parquet file into a vector database"
 
 
@@ -47,8 +46,8 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
                "attention": engine.attention, "dtype": str(engine.dtype), "pair_tokens": engine.max_length, "points": {}}
     # fp16 is how the peer figures in ../shared/gpu/README.md were taken; fp32 is CrossEncoder's default.
-    peers = {"sentence_transformers_fp16": cross_encoder(path, torch.float16),
-             "sentence_transformers_fp32": cross_encoder(path, torch.float32)}
+    peers = {"sentence_transformers_fp16": cross_encoder(path, torch.float16, engine.max_length),
+             "sentence_transformers_fp32": cross_encoder(path, torch.float32, engine.max_length)}
     for pairs in PAIRS:
         queries, texts = [QUERY] * pairs, docs[:pairs]
 
@@ -84,11 +83,11 @@ def long_documents(corpus: Path, tokenizer: TextTokenizer, count: int) -> list[s
     return docs
 
 
-def cross_encoder(path: Path, dtype: torch.dtype):  # noqa: ANN201 - sentence_transformers is a bench-only import
+def cross_encoder(path: Path, dtype: torch.dtype, max_length: int):  # noqa: ANN201 - a bench-only import
     from sentence_transformers import CrossEncoder
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return CrossEncoder(str(path), device=device, max_length=PAIR_TOKENS, model_kwargs={"dtype": dtype})
+    return CrossEncoder(str(path), device=device, max_length=max_length, model_kwargs={"dtype": dtype})
 
 
 def render(results: dict) -> str:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: the GPU tests, then the side-by-side benchmark. Output under $OUT.
-#   bench/run_on_gpu.sh "<pytest args>" "<bench/gpu_engine.py args>"
+# One call on the GPU machine: the GPU tests, then benchmarks one after the other. Output under $OUT.
+#   bench/run_on_gpu.sh "<pytest args>" "<bench module and args>" ["<bench module and args>" ...]
+# e.g. bench/run_on_gpu.sh "tests/test_gpu.py" "bench.gpu_rerank --corpus .bench-data/docstrings.parquet"
+# Each benchmark runs as `python3 -m MODULE ARGS --out $OUT/NAME` (NAME: the module's last part).
 # Installs .bundle/whl (flashinfer) when it was carried; MiniLM comes from .bundle/minilm and the
 # corpus from .bench-data/ (../shared/gpu/make-bundle.sh and a copy of ../shared/corpus).
 set -uo pipefail
@@ -13,4 +15,10 @@ fi
 { date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$out/machine.txt"
 python3 -m pytest -p no:cacheprovider -q -ra $1 2>&1 | tee "$out/tests.log"
-python3 -m bench.gpu_engine --out "$out/bench" $2 2>&1 | tee "$out/bench.log"
+shift
+for bench in "$@"; do
+  module=${bench%% *}
+  name=${module##*.}
+  echo "== $bench" | tee -a "$out/bench.log"
+  python3 -m $bench --out "$out/$name" 2>&1 | tee -a "$out/bench.log"
+done

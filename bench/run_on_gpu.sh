@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 EMBEDCTL_TEST_MODEL=${EMBEDCTL_TEST_MODEL:-.bundle/min
 if [ -d .bundle/whl ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .bundle/whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-{ date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+{ date -u; cat COMMIT 2>/dev/null || git rev-parse --short HEAD; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$out/machine.txt"
 python3 -m pytest -p no:cacheprovider -q -ra $1 2>&1 | tee "$out/tests.log"
 shift

@@ -1,7 +1,9 @@
 """Ragged attention over packed sequences: one call, three backends.
 
 Every backend computes softmax(q k^T / sqrt(d)) v inside each sequence of a packed batch (cu_seqlens
-gives the boundaries), with no padding and no KV cache:
+gives the boundaries), with no padding and no KV cache; bidirectional (encoders, pplx-embed) or causal
+(Qwen3-Embedding: each token sees itself and the tokens before it), and with fewer k/v heads than
+q heads (grouped-query attention: each k/v head serves heads // kv_heads consecutive q heads):
 - "sdpa": torch's scaled_dot_product_attention once per sequence. Exact, runs anywhere; the CPU
   path and the test oracle. Its Python loop over sequences rules it out of CUDA graphs.
 - "varlen": torch.nn.attention.varlen.varlen_attn, PyTorch's built-in FlashAttention-2. CUDA only,
@@ -13,6 +15,7 @@ choose_backend() picks one per model; the rule and the measurements behind it ar
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,7 +28,8 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 class Attention(Protocol):
-    """What every backend offers: plan() on the host for a batch, then call on q, k, v [T, heads, d]."""
+    """What every backend offers: plan() on the host for a batch, then call on q [T, heads, d] and
+    k, v [T, kv_heads, d]."""
 
     def plan(self, layout: AttentionLayout) -> None: ...
 
@@ -63,7 +67,8 @@ class SdpaAttention:
                 # [L, heads, d] -> [1, heads, L, d]: the 4-D form reaches torch's fused CPU kernel,
                 # the 3-D form a math fallback five times slower.
                 seq = [t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-                out[start:end] = F.scaled_dot_product_attention(*seq, is_causal=self.causal)[0].transpose(0, 1)
+                out[start:end] = F.scaled_dot_product_attention(
+                    *seq, is_causal=self.causal, enable_gqa=k.shape[1] != q.shape[1])[0].transpose(0, 1)
         return out
 
 
@@ -75,15 +80,23 @@ class VarlenAttention:
 
         self.varlen_attn = varlen_attn
         self.window = (-1, 0) if causal else (-1, -1)
+        # torch 2.13 takes enable_gqa; older releases (the H200 had 2.11) may not: there k and v get
+        # their heads repeated instead.
+        self.native_gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
         self.layout: AttentionLayout | None = None
 
     def plan(self, layout: AttentionLayout) -> None:
         self.layout = layout
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        layout = self.layout
+        layout, options = self.layout, {}
+        if k.shape[1] != q.shape[1]:
+            if self.native_gqa:
+                options["enable_gqa"] = True
+            else:
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         return self.varlen_attn(q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.max_seqlen,
-                                layout.max_seqlen, window_size=self.window)
+                                layout.max_seqlen, window_size=self.window, **options)
 
 
 class FlashInferAttention:
@@ -97,10 +110,11 @@ class FlashInferAttention:
     """
 
     def __init__(self, num_heads: int, head_dim: int, dtype: torch.dtype, workspace: torch.Tensor,
-                 causal: bool = False, slots: int | None = None) -> None:
+                 causal: bool = False, slots: int | None = None, num_kv_heads: int | None = None) -> None:
         import flashinfer
 
         self.num_heads, self.head_dim, self.dtype, self.causal = num_heads, head_dim, dtype, causal
+        self.num_kv_heads = num_kv_heads or num_heads
         self.planned = torch.cuda.Event()
         if slots is None:
             self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
@@ -115,7 +129,7 @@ class FlashInferAttention:
         # passed that copy (and so everything queued before it), not for the whole device.
         self.planned.synchronize()
         indptr = torch.tensor(layout.cu_seqlens_host + [layout.tokens], dtype=torch.int32)
-        self.wrapper.plan(indptr, indptr, self.num_heads, self.num_heads, self.head_dim,
+        self.wrapper.plan(indptr, indptr, self.num_heads, self.num_kv_heads, self.head_dim,
                           causal=self.causal, q_data_type=self.dtype)
         self.planned.record()
 

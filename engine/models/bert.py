@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.checkpoint import match_state_dict
 from engine.errors import UserError
 from engine.fused import Fused
 
@@ -176,6 +177,8 @@ class BertEncoder(nn.Module):
 class BertModel(nn.Module):
     """token ids [T], positions [T], token types [T] -> hidden states [T, hidden_size]."""
 
+    causal = False  # an encoder: every token attends to its whole sequence
+
     def __init__(self, config: BertConfig, fused: Fused | None = None) -> None:
         super().__init__()
         self.config = config
@@ -196,25 +199,21 @@ class BertModel(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_attention_heads
 
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings - self.config.position_offset
+
+    @property
+    def num_labels(self) -> int:
+        return self.config.num_labels
+
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face state dict by name; a missing or unknown tensor is an error, never random."""
-        expected = self.state_dict()
-        state = {}
-        for name, tensor in weights.items():
-            name = next((name[len(p):] for p in PREFIXES if name.startswith(p)), name)
-            if name in expected or not name.startswith(UNUSED):
-                state[name] = tensor
-        missing = sorted(set(expected) - set(state))
-        unknown = sorted(set(state) - set(expected))
-        if missing or unknown:
-            detail = f"missing {missing[:3]}" if missing else f"unexpected {unknown[:3]}"
-            raise UserError(f"the checkpoint does not match a BERT model of this config ({detail}); "
-                            "check that config.json belongs to these weights")
-        for name, tensor in state.items():
-            if tensor.shape != expected[name].shape:
-                raise UserError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config says "
-                                f"{tuple(expected[name].shape)}; check that config.json belongs to these weights")
-        self.load_state_dict(state)
+        self.load_state_dict(match_state_dict(self.state_dict(), weights, PREFIXES, UNUSED, "BERT"))
         for layer in self.encoder.layer:
             layer.fuse_qkv()
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine import Engine
+from engine import Engine, PackedBatch
 from engine.errors import UserError, short_reason
 from pipelines.qrels import Metrics, Qrels, evaluate, read_qrels
 from pipelines.readers import Chunk, CorpusReader
@@ -41,6 +41,8 @@ TREC_RUN_TAG = "embedctl"
 QUERY_BLOCK = 4096
 # Queries whose (query, document) pairs are tokenized and reranked together: bounds the pairs in memory.
 RERANK_QUERY_BLOCK = 256
+# Pairs per engine step when reranking: small steps let tokenizing overlap the device (see pair_scores).
+PAIRS_PER_STEP = 8
 _WHITESPACE = re.compile(r"\s")
 
 
@@ -253,8 +255,7 @@ def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking
         block = range(start, min(start + RERANK_QUERY_BLOCK, len(queries.ids)))
         firsts = [queries.texts[q] for q in block for _ in ranking.doc_ids[q]]
         seconds = [texts[doc_id] for q in block for doc_id in ranking.doc_ids[q]]
-        encoded = tokenizer.encode_pairs(firsts, seconds)
-        block_scores = reranker.embed(encoded.ids, encoded.type_ids)[:, 0]
+        block_scores = pair_scores(reranker, tokenizer, firsts, seconds)
         pairs += len(firsts)
         offset = 0
         for q in block:
@@ -267,6 +268,23 @@ def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking
     return Ranking(query_ids=ranking.query_ids, doc_ids=doc_ids, scores=np.stack(scores), documents=ranking.documents,
                    skipped_empty=ranking.skipped_empty, seconds=ranking.seconds + time.perf_counter() - started,
                    reranked=pairs)
+
+
+def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], seconds: list[str]) -> np.ndarray:
+    """A cross-encoder's score for each (first, second) pair, float32 [pairs].
+
+    Pairs go to the engine a few at a time, each step enqueued as soon as its pairs are tokenized, so
+    the tokenizer works on the next pairs while the device runs the last ones: for a handful of long
+    pairs, tokenizing costs as much as the model.
+    """
+    per_step = max(1, min(PAIRS_PER_STEP, reranker.max_batch_tokens // reranker.max_length))
+    pending = []
+    for start in range(0, len(firsts), per_step):
+        encoded = tokenizer.encode_pairs(firsts[start: start + per_step], seconds[start: start + per_step])
+        pending.append(reranker.step(PackedBatch.of(encoded.ids, token_type_ids=encoded.type_ids)))
+    if not pending:
+        return np.zeros(0, dtype=np.float32)
+    return np.concatenate([lazy.result()[:, 0] for lazy in pending])
 
 
 def document_texts(inputs: Inputs, wanted: set[str]) -> dict[str, str]:

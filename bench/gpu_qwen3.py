@@ -8,8 +8,8 @@ same pre-tokenized inputs, so both sides are model-only (no tokenizer, no files)
   latency     batch 1 at 128, 512 and 4,096 tokens (the design's low-latency suite), p50/p99 ms,
               host result included: ours with graphs, ours eager, sentence-transformers
   agreement   the smallest cosine between our vectors and sentence-transformers' for 16 documents
-Writes every figure as JSON to --out and the markdown table next to it (.md), and prints the table
-last. `--smoke` runs a tiny config on whatever device there is (the CPU here) to check the script.
+Writes every figure to results.json and the markdown table to report.md under --out, and prints the
+table last. `--smoke` runs a tiny config on whatever device there is (the CPU here) to check the script.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main() -> None:
             results["ours"][backend]["min_cosine_vs_st"] = float(cosine(vectors, reference).min())
     write(args.out, results)
     report = render(results)
-    args.out.with_suffix(".md").write_text(report)
+    (args.out / "report.md").write_text(report)
     print(report)
 
 
@@ -66,14 +66,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--docs", type=int, default=2048, help="documents of 512 tokens for the throughput suite")
     parser.add_argument("--attention", default="auto", help="comma-separated backends: auto, varlen, flashinfer")
     parser.add_argument("--repeats", type=int, default=200, help="timed calls per latency point")
-    parser.add_argument("--out", type=Path, default=Path("bench-out/qwen3.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench-out/gpu_qwen3"))
     parser.add_argument("--smoke", action="store_true", help="tiny config on any device: checks the script")
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="measure embedctl only")
     args = parser.parse_args()
     args.attention = args.attention.split(",")
     if args.smoke:
         args.docs, args.repeats = min(args.docs, 2 * ST_BATCH // 16), 3
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     return args
 
 
@@ -160,8 +160,8 @@ def peer(path: Path, docs: list[np.ndarray], singles: dict, args: argparse.Names
     return out, forward(docs[:16])
 
 
-def write(path: Path, results: dict) -> None:
-    path.write_text(json.dumps(results, indent=2, default=str))
+def write(out: Path, results: dict) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
 
 
 def render(results: dict) -> str:

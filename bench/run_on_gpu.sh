@@ -14,7 +14,7 @@ if [ -d .bundle/whl ]; then
 fi
 { date -u; cat COMMIT 2>/dev/null || git rev-parse --short HEAD; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$out/machine.txt"
-python3 -m pytest -p no:cacheprovider -q -ra $1 2>&1 | tee "$out/tests.log"
+eval python3 -m pytest -p no:cacheprovider -q -ra "$1" 2>&1 | tee "$out/tests.log"  # eval: $1 may quote a -k expression
 shift
 for bench in "$@"; do
   module=${bench%% *}

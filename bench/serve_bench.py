@@ -1,0 +1,283 @@
+"""`embedctl serve` side by side with sentence-transformers behind a minimal FastAPI endpoint.
+
+Both servers run in their own subprocess on a loopback port and answer the same POST /v1/embeddings
+(texts in, base64 float32 vectors out, as the openai client asks by default), so tokenization, JSON
+and HTTP are inside every figure. Clients are separate processes (no shared GIL), each with one
+keep-alive connection, sending its next request when the previous one is answered.
+  concurrency  1, 2, 4, 8, 16 clients; one short query (~16 tokens) or one 512-token document per
+               request: p50/p99 latency, requests/s, tokens/s, errors
+  batch        4 client processes sending requests of 100 corpus documents: tokens/s, against the
+               engine's own model-only tokens/s on the same documents (measured first, in this process)
+Each point runs a few untimed requests first, so CUDA graphs are captured before timing. Prints a
+markdown table and writes every figure as JSON to --out. `--smoke` runs tiny counts on any device.
+Not here: the engine-only suites (bench/gpu_engine.py).
+
+    python -m bench.serve_bench --minilm .bundle/minilm --corpus .bench-data/docstrings.parquet --out serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import multiprocessing
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+CLIENTS = (1, 2, 4, 8, 16)
+QUERY_TOKENS, DOC_TOKENS, MAX_LENGTH = 16, 512, 512
+BATCH_PROCESSES, BATCH_DOCS = 4, 100
+
+
+def main() -> None:
+    args = parse_args()
+    if args.peer_port is not None:
+        run_peer(args.minilm, args.peer_port)
+        return
+    queries, documents, corpus = inputs(args)
+    results: dict = {"device": device_name(), "model": str(args.minilm), "smoke": args.smoke, "batch_docs": args.batch_docs,
+                     "engine_model_only_tokens_per_s": engine_tokens_per_second(args.minilm, corpus),
+                     "servers": {}}
+    servers = {"embedctl": ours_command(args.minilm)}
+    if args.peers:
+        servers["sentence-transformers"] = [sys.executable, "-m", "bench.serve_bench", "--minilm", str(args.minilm),
+                                            "--peer-port", "{port}"]
+    for name, command in servers.items():
+        with Served(command) as url:
+            print(f"== {name} at {url}", flush=True)
+            results["servers"][name] = run_suites(args, url, queries, documents, corpus)
+        (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    report = render(results)
+    (args.out / "report.md").write_text(report)
+    print(report)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minilm", type=Path, default=None, help="all-MiniLM-L6-v2 directory (default: the shipped copy)")
+    parser.add_argument("--corpus", type=Path, default=REPO / "sample_data" / "corpus" / "part-000.parquet",
+                        help="Parquet file with a text column")
+    parser.add_argument("--requests", type=int, default=400, help="timed requests per client per point")
+    parser.add_argument("--batch-requests", type=int, default=40, help="timed 100-document requests per process")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/serve_bench"), help="directory for results.json and report.md")
+    parser.add_argument("--smoke", action="store_true", help="tiny counts (10-document batches) on any device: checks the script")
+    parser.add_argument("--no-peers", dest="peers", action="store_false", help="measure embedctl only")
+    parser.add_argument("--peer-port", type=int, default=None, help=argparse.SUPPRESS)  # run as the peer server
+    args = parser.parse_args()
+    if args.minilm is None:
+        from tests.models import minilm_path
+
+        args.minilm = minilm_path()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        args.requests, args.batch_requests = 5, 2
+    args.batch_docs = 10 if args.smoke else BATCH_DOCS
+    return args
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def inputs(args: argparse.Namespace) -> tuple[str, str, list[str]]:
+    """A ~16-token query, a 512-token document (special tokens included) and the corpus texts."""
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
+
+    corpus = [t for t in pq.read_table(args.corpus, columns=["text"]).column("text").to_pylist() if t and not t.isspace()]
+    tokenizer = Tokenizer.from_file(str(args.minilm / "tokenizer.json"))
+    stream: list[int] = []
+    for text in corpus:
+        stream += tokenizer.encode(text, add_special_tokens=False).ids
+        if len(stream) >= DOC_TOKENS:
+            break
+    query = tokenizer.decode(stream[: QUERY_TOKENS - 2])
+    document = tokenizer.decode(stream[: DOC_TOKENS - 2])
+    docs = BATCH_PROCESSES * 10 if args.smoke else max(len(corpus), BATCH_PROCESSES * BATCH_DOCS)
+    return query, document, (corpus * (1 + docs // len(corpus)))[:docs]
+
+
+def engine_tokens_per_second(model: Path, corpus: list[str]) -> float:
+    """The engine alone on the batch suite's documents, pre-tokenized: the ceiling the server is held to."""
+    import torch
+
+    from engine import Engine, EngineConfig
+    from pipelines.tokenize import TextTokenizer
+
+    engine = Engine.load(str(model), EngineConfig(max_length=MAX_LENGTH))
+    ids = TextTokenizer(engine.files.tokenizer_file, engine.max_length).encode(corpus).ids
+    tokens = sum(len(i) for i in ids)
+    engine.embed(ids)  # captures the graphs this mix of batches needs
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        engine.embed(ids)
+        best = min(best, time.perf_counter() - started)
+    del engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return tokens / best
+
+
+def ours_command(model: Path) -> list[str]:
+    return [sys.executable, "-m", "embedctl.cli", "serve", "--port", "{port}", "--model", str(model),
+            "--max-length", str(MAX_LENGTH)]
+
+
+class Served:
+    """A server subprocess on a free loopback port; the URL once /health answers 200."""
+
+    def __init__(self, command: list[str]) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.command = [part.replace("{port}", str(self.port)) for part in command]
+
+    def __enter__(self) -> str:
+        self.process = subprocess.Popen(self.command, cwd=REPO)
+        url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 900  # torch.compile and model load on a cold machine
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.command} exited with {self.process.returncode}")
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    return url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.command} was not healthy in time")
+
+    def __exit__(self, *_: object) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def run_suites(args: argparse.Namespace, url: str, query: str, document: str, corpus: list[str]) -> dict:
+    out: dict = {"concurrency": [], "batch": None}
+    for kind, text, requests in (("query", query, args.requests), ("doc512", document, max(args.requests // 4, 5))):
+        for clients in CLIENTS[:2] if args.smoke else CLIENTS:
+            body = json.dumps({"input": [text], "encoding_format": "base64"}).encode()
+            point = measure(url, [[body]] * clients, requests, warmup=2 if args.smoke else 20)
+            out["concurrency"].append({"kind": kind, "clients": clients, **point})
+            print(f"  {kind:7} {clients:2} clients: p50 {point['p50_ms']:.2f} ms, p99 {point['p99_ms']:.2f} ms, "
+                  f"{point['requests_per_s']:.0f} req/s, {point['errors']} errors", flush=True)
+    size = args.batch_docs
+    bodies = []
+    for process in range(BATCH_PROCESSES):
+        docs = corpus[process::BATCH_PROCESSES]
+        bodies.append([json.dumps({"input": docs[i: i + size], "encoding_format": "base64"}).encode()
+                       for i in range(0, len(docs) - size + 1, size)])
+    # every body once before timing: the same single pass over the corpus that the engine-alone figure had
+    out["batch"] = measure(url, bodies, args.batch_requests, warmup=max(len(b) for b in bodies))
+    print(f"  batch   {BATCH_PROCESSES} x {size} docs: {out['batch']['tokens_per_s']:,.0f} tokens/s, "
+          f"{out['batch']['errors']} errors", flush=True)
+    return out
+
+
+def measure(url: str, bodies: list[list[bytes]], requests: int, warmup: int) -> dict:
+    """One client process per entry of bodies, cycling through its bodies; all start together."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(len(bodies) + 1)
+    results = context.Queue()
+    workers = [context.Process(target=client, args=(url, mine, requests, warmup, barrier, results)) for mine in bodies]
+    for worker in workers:
+        worker.start()
+    barrier.wait()
+    started = time.perf_counter()
+    outcomes = [results.get() for _ in workers]
+    wall = time.perf_counter() - started
+    for worker in workers:
+        worker.join()
+    latencies = np.concatenate([o["latencies"] for o in outcomes]) * 1e3
+    tokens = sum(o["tokens"] for o in outcomes)
+    return {"p50_ms": float(np.percentile(latencies, 50)), "p99_ms": float(np.percentile(latencies, 99)),
+            "requests_per_s": len(latencies) / wall, "tokens_per_s": tokens / wall,
+            "errors": sum(o["errors"] for o in outcomes), "requests": len(latencies)}
+
+
+def client(url: str, bodies: list[bytes], requests: int, warmup: int, barrier, results) -> None:
+    """Send `warmup` requests untimed, meet the others at the barrier, then `requests` back to back."""
+    latencies, tokens, errors = [], 0, 0
+    with httpx.Client(base_url=url, timeout=300, headers={"Content-Type": "application/json"}) as http:
+        for i in range(warmup):
+            http.post("/v1/embeddings", content=bodies[i % len(bodies)])
+        barrier.wait()
+        for i in range(requests):
+            started = time.perf_counter()
+            reply = http.post("/v1/embeddings", content=bodies[i % len(bodies)])
+            latencies.append(time.perf_counter() - started)
+            if reply.status_code == 200:
+                tokens += reply.json()["usage"]["total_tokens"]
+            else:
+                errors += 1
+    results.put({"latencies": np.array(latencies), "tokens": tokens, "errors": errors})
+
+
+def run_peer(model: Path, port: int) -> None:
+    """The peer: sentence-transformers encode() behind the smallest FastAPI endpoint that speaks the same API."""
+    import torch
+    import uvicorn
+    from fastapi import FastAPI
+    from sentence_transformers import SentenceTransformer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    st = SentenceTransformer(str(model), device=device)
+    st.max_seq_length = MAX_LENGTH
+    if device == "cuda":
+        st.half()
+    tokenizer = st.tokenizer
+    app = FastAPI()
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok"}
+
+    @app.post("/v1/embeddings")
+    def embeddings(body: dict) -> dict:
+        texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
+        vectors = st.encode(texts, batch_size=len(texts), convert_to_numpy=True, normalize_embeddings=True)
+        tokens = sum(len(ids) for ids in tokenizer(texts, truncation=True, max_length=MAX_LENGTH)["input_ids"])
+        return {"object": "list", "model": body.get("model"),
+                "data": [{"object": "embedding", "index": i, "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode()}
+                         for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def render(results: dict) -> str:
+    engine = results["engine_model_only_tokens_per_s"]
+    lines = [f"`embedctl serve` vs sentence-transformers behind FastAPI on {results['device']} "
+             f"({Path(results['model']).name}{', smoke' if results['smoke'] else ''})", "",
+             "| requests | clients | server | p50 ms | p99 ms | req/s | tokens/s | errors |", "|---|---|---|---|---|---|---|---|"]
+    names = list(results["servers"])
+    points = {(name, p["kind"], p["clients"]): p for name in names for p in results["servers"][name]["concurrency"]}
+    for kind, clients in dict.fromkeys((k, c) for _, k, c in points):
+        for name in names:
+            if (p := points.get((name, kind, clients))) is not None:
+                lines.append(f"| {kind} | {clients} | {name} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} | "
+                             f"{p['requests_per_s']:,.0f} | {p['tokens_per_s']:,.0f} | {p['errors']} |")
+    lines += ["", f"{BATCH_PROCESSES} processes x requests of {results['batch_docs']} documents; the engine alone: {engine:,.0f} tokens/s", "",
+              "| server | tokens/s | share of the engine alone | p50 ms per request | errors |", "|---|---|---|---|---|"]
+    for name in names:
+        b = results["servers"][name]["batch"]
+        lines.append(f"| {name} | {b['tokens_per_s']:,.0f} | {b['tokens_per_s'] / engine:.0%} | {b['p50_ms']:.1f} | {b['errors']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,610 @@
+"""`embedctl serve`: the engine behind HTTP, on FastAPI and uvicorn.
+
+    POST /v1/embeddings  OpenAI-compatible (texts or token ids; float or base64; dimensions; usage)
+    POST /embed          text-embeddings-inference-compatible (inputs, normalize, truncate, dimensions)
+    POST /rerank         query + texts (TEI reply) or documents (Cohere-style reply), sorted by score
+    GET  /health /metrics /v1/models /docs
+
+A request is tokenized in a thread pool, its sequences join the engine.scheduler queue that every
+client shares, and the event loop awaits an asyncio future that the scheduler thread resolves with
+loop.call_soon_threadsafe, so no request ever blocks the loop on the engine. The engine is loaded
+without normalisation: vectors are cut to `dimensions` and normalised here, per request, which is
+what lets /embed honour `normalize: false`. /rerank scores by the cosine of bi-encoder vectors, or
+with the model itself when it is a cross-encoder (which then has no vectors to serve).
+
+Not here: batching (engine.scheduler), the model (engine), tokenization rules (pipelines.tokenize).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import bisect
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import numpy as np
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine import Engine, EngineConfig, UserError
+from engine.batch import PackedBatch
+from engine.errors import short_reason
+from engine.scheduler import QueueFull, Scheduler, SchedulerClosed
+from pipelines.tokenize import Encoded, TextTokenizer
+
+log = logging.getLogger("embedctl.serve")
+
+API_KEY_ENV = "EMBEDCTL_API_KEY"
+DRAIN_SECONDS = 30  # how long Ctrl-C / SIGTERM waits for requests in flight before cutting them off
+RETRY_AFTER_SECONDS = 1
+# Responses with more floats than this are encoded to JSON in a worker thread: 100 vectors of 384
+# take tens of milliseconds in json.dumps, which would stall every other client on the loop.
+OFFLOAD_FLOATS = 16384
+WARMUP_RUNS = 3  # a CUDA graph bucket runs eagerly on its first hit, is captured on the second, replays after
+TOKENIZER_THREADS = min(8, os.cpu_count() or 1)
+OPEN_PATHS = ("/health",)
+ENDPOINTS = ("/v1/embeddings", "/embed", "/rerank", "/health", "/metrics", "/v1/models", "/docs", "/openapi.json")
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TOKEN_BUCKETS = tuple(float(1 << n) for n in range(4, 17))  # 16 ... 65,536 tokens per engine batch
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """Admission limits; every one is a flag of `embedctl serve`."""
+
+    max_client_batch: int = 512  # inputs per request (texts, token-id lists, or rerank texts)
+    max_request_bytes: int = 4 << 20  # request body size
+    max_queue: int = 8192  # sequences admitted and not yet answered, over all clients
+
+    def __post_init__(self) -> None:
+        for name in ("max_client_batch", "max_request_bytes", "max_queue"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
+        if self.max_client_batch > self.max_queue:
+            raise UserError(f"--max-client-batch {self.max_client_batch} is larger than --max-queue {self.max_queue}, "
+                            "so a full-size request could never be admitted; raise --max-queue or lower --max-client-batch")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    limits: ServeLimits = ServeLimits()
+    access_log: bool = False
+
+
+class ApiError(HTTPException):
+    """A request the server refuses; detail is the whole message, naming the problem and the fix."""
+
+
+# Requests and replies. Fields are strict (no "yes" for true, no "5" for 5) and unknown fields are
+# refused, so a misspelt option is an error instead of being silently ignored.
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class EmbeddingsRequest(_Strict):
+    input: Union[str, list[str], list[int], list[list[int]]] = Field(
+        description="A text, a list of texts, one token-id list, or a list of token-id lists (the model's own ids, "
+                    "special tokens included)")
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1, description="Keep the first N components (Matryoshka)")
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Any:
+        if isinstance(value, str) or _list_of(value, str) or _list_of(value, int) or (
+                isinstance(value, list) and all(_list_of(item, int) for item in value)):
+            return value
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+
+
+class EmbedRequest(_Strict):
+    inputs: Union[str, list[str]]
+    normalize: bool = True
+    truncate: bool = True
+    dimensions: int | None = Field(default=None, ge=1)
+
+
+class RerankRequest(_Strict):
+    query: str
+    texts: list[str] | None = Field(default=None, description="Documents; the reply is TEI's list of {index, score}")
+    documents: list[str] | None = Field(default=None, description="Documents; the reply is Cohere's {results: [...]}")
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = False
+    return_text: bool = Field(default=False, description="TEI's name for return_documents")
+    truncate: bool = True
+    model: str | None = None
+
+    @model_validator(mode="after")
+    def _one_list(self) -> RerankRequest:
+        if (self.texts is None) == (self.documents is None):
+            raise ValueError("send the documents as either `texts` or `documents`, exactly one of them")
+        return self
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+class RankedText(BaseModel):
+    index: int
+    score: float
+    text: str | None = None
+
+
+def _list_of(value: Any, kind: type) -> bool:
+    # bool is an int subclass; true/false are never token ids
+    return isinstance(value, list) and all(isinstance(item, kind) and not isinstance(item, bool) for item in value)
+
+
+def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = ServeLimits(),
+               api_key: str | None = None, normalize: bool | None = None) -> FastAPI:
+    """The HTTP app over a loaded engine. Serving it (uvicorn) starts the scheduler and the warm-up.
+
+    engine must be loaded with normalize=False: vectors are normalised per request here.
+    normalize is what /v1/embeddings does (None: as the model's sentence-transformers files say).
+    """
+    if engine.normalize:
+        raise UserError("create_app needs an engine loaded with normalize=False; the server normalises per request")
+    if engine.num_labels > 1:
+        raise UserError(f"{engine.files.name} is a cross-encoder with {engine.num_labels} labels; "
+                        "serve an embedding model or a one-score cross-encoder")
+    service = _Service(engine, tokenizer, limits, engine.files.normalize if normalize is None else normalize)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        service.start()
+        warm_up = asyncio.create_task(service.warm_up())
+        yield
+        warm_up.cancel()
+        await asyncio.get_running_loop().run_in_executor(None, service.stop)
+
+    app = FastAPI(title="embedctl", version="0.1.0", lifespan=lifespan,
+                  description=f"Embeddings and ranking with {engine.files.name}.")
+    app.add_middleware(_Guard, api_key=api_key, max_bytes=limits.max_request_bytes, metrics=service.metrics)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingsResponse)
+    async def embeddings(body: EmbeddingsRequest) -> Response:
+        """OpenAI-compatible embeddings. Over-long inputs are truncated to the model's max length."""
+        service.check_model(body.model)
+        service.check_vectors(body.dimensions)
+        encoded = await service.encode_input(body.input)
+        vectors = service.finish(await service.run(encoded), body.dimensions, service.normalize)
+        tokens = sum(len(ids) for ids in encoded.ids)
+        return await service.reply({
+            "object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": _encode_vector(v, body.encoding_format)}
+                     for i, v in enumerate(vectors)],
+            "model": service.name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }, vectors.size if body.encoding_format == "float" else 0)
+
+    @app.post("/embed", response_model=list[list[float]])
+    async def embed(body: EmbedRequest) -> Response:
+        """text-embeddings-inference-compatible embeddings: one vector per input, in order."""
+        service.check_vectors(body.dimensions)
+        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        encoded = await service.encode_texts(texts, "inputs", body.truncate)
+        vectors = service.finish(await service.run(encoded), body.dimensions, body.normalize)
+        return await service.reply(vectors, vectors.size)
+
+    @app.post("/rerank", response_model=Union[list[RankedText], dict[str, Any]])
+    async def rerank(body: RerankRequest) -> Response:
+        """Documents sorted by relevance to the query, best first (ties in input order)."""
+        service.check_model(body.model)
+        cohere = body.documents is not None
+        texts = body.documents if cohere else body.texts
+        scores, tokens = await service.scores(body.query, texts, body.truncate, "documents" if cohere else "texts")
+        order = np.argsort(-scores, kind="stable")[: body.top_n]
+        with_text = body.return_documents or body.return_text
+        if cohere:
+            results = [{"index": int(i), "relevance_score": float(scores[i]),
+                        **({"document": {"text": texts[i]}} if with_text else {})} for i in order]
+            return await service.reply({"model": service.name, "results": results, "usage": {"total_tokens": tokens}}, 0)
+        return await service.reply([{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if with_text else {})}
+                                    for i in order], 0)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 once the model is warmed up; 503 before."""
+        if service.warm_error is not None:
+            return JSONResponse({"status": "failed", "error": service.warm_error}, status_code=503)
+        if not service.ready:
+            return JSONResponse({"status": "warming up"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format."""
+        return Response(service.metrics.render(service), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": service.name, "object": "model", "created": service.started,
+                                            "owned_by": "embedctl"}]}
+
+    return app
+
+
+def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> None:
+    """Load the model, bind, and serve until Ctrl-C or SIGTERM, which drain requests in flight first."""
+    try:  # before loading the model, so a taken port fails at once
+        sock = socket.create_server((options.host, options.port))
+    except OSError as error:
+        raise UserError(f"cannot listen on {options.host}:{options.port} ({error.strerror}); "
+                        "pick another --port or --host") from None
+    engine = Engine.load(model, replace(config, normalize=False))
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+    app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize)
+    server = uvicorn.Server(uvicorn.Config(app, access_log=options.access_log,
+                                           timeout_graceful_shutdown=DRAIN_SECONDS))
+    logging.getLogger("uvicorn.error").info(
+        "embedctl serve: %s on %s, dim %d, max length %d, at http://%s:%d (docs at /docs)",
+        engine.files.name, engine.device, engine.dim, engine.max_length, options.host, sock.getsockname()[1])
+    server.run(sockets=[sock])
+
+
+class _Service:
+    """What the routes share: the engine, the tokenizer pool, the scheduler, the metrics."""
+
+    def __init__(self, engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits, normalize: bool) -> None:
+        self.engine, self.tokenizer, self.limits, self.normalize = engine, tokenizer, limits, normalize
+        self.name = engine.files.name
+        self.names = {self.name, Path(self.name).name}
+        self.vocab_size = int(engine.files.config.get("vocab_size", 0))
+        self.started = int(time.time())
+        self.metrics = _Metrics()
+        self.scheduler: Scheduler | None = None
+        self.pool: ThreadPoolExecutor | None = None
+        self.ready = False
+        self.warm_error: str | None = None
+
+    def start(self) -> None:
+        self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="embedctl-tokenize")
+        self.scheduler = Scheduler(self.engine, self.limits.max_queue, on_batch=self.metrics.observe_batch)
+
+    def stop(self) -> None:
+        self.scheduler.close()
+        self.pool.shutdown()
+
+    async def warm_up(self) -> None:
+        try:
+            encoded = await self.offload(self.tokenizer.encode, ["warm up"])
+            for _ in range(WARMUP_RUNS):
+                await self.run(encoded)
+        except Exception as error:  # noqa: BLE001 - reported by /health instead of killing the server
+            log.exception("warm-up failed")
+            self.warm_error = short_reason(error)
+            return
+        self.ready = True
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise ApiError(400, f"unknown model {model!r}; this server serves {self.name!r} (see GET /v1/models)")
+
+    def check_vectors(self, dimensions: int | None) -> None:
+        if self.engine.num_labels:
+            raise ApiError(400, f"{self.name} is a cross-encoder: it scores query-document pairs and has no vectors; "
+                                "call POST /rerank")
+        if dimensions is not None and dimensions > self.engine.dim:
+            raise ApiError(422, f"dimensions {dimensions} is more than the model's {self.engine.dim}; "
+                                f"ask for at most {self.engine.dim}")
+
+    async def encode_input(self, value: str | list[str] | list[int] | list[list[int]]) -> Encoded:
+        """OpenAI `input`: texts are tokenized and truncated; token ids are checked and truncated."""
+        if isinstance(value, str):
+            return await self.encode_texts([value], "input", truncate=True)
+        if value and isinstance(value[0], str):
+            return await self.encode_texts(value, "input", truncate=True)
+        sequences = [value] if value and isinstance(value[0], int) else value
+        self.check_count(len(sequences), "input")
+        for i, ids in enumerate(sequences):
+            if not ids:
+                raise ApiError(422, f"input[{i}] is an empty token-id list; send at least one token id")
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise ApiError(422, f"input[{i}] holds a token id outside the model's vocabulary 0..{self.vocab_size - 1}; "
+                                    "send ids from this model's tokenizer")
+        limit = self.engine.max_length
+        return Encoded(ids=[np.asarray(ids[:limit], dtype=np.int32) for ids in sequences],
+                       truncated=[len(ids) > limit for ids in sequences])
+
+    async def encode_texts(self, texts: Sequence[str], field: str, truncate: bool) -> Encoded:
+        self.check_texts(texts, field)
+        encoded = await self.offload(self.tokenizer.encode, texts)
+        self.check_truncation(encoded, field, truncate)
+        return encoded
+
+    def check_texts(self, texts: Sequence[str], field: str, extra: int = 0) -> None:
+        self.check_count(len(texts) + extra, field)
+        for i, text in enumerate(texts):
+            if not text or text.isspace():
+                raise ApiError(422, f"{field}[{i}] is blank; send text with at least one non-space character")
+
+    def check_count(self, count: int, field: str) -> None:
+        if count == 0:
+            raise ApiError(422, f"{field} is empty; send at least one item")
+        if count > self.limits.max_client_batch:
+            raise ApiError(413, f"{count} items in one request is more than this server's --max-client-batch "
+                                f"{self.limits.max_client_batch}; split them over several requests")
+
+    def check_truncation(self, encoded: Encoded, field: str, truncate: bool) -> None:
+        if not truncate and any(encoded.truncated):
+            i = encoded.truncated.index(True)
+            raise ApiError(422, f"{field}[{i}] is longer than the model's max length of {self.engine.max_length} tokens "
+                                "and truncate is false; shorten it or send truncate: true")
+
+    async def scores(self, query: str, texts: Sequence[str], truncate: bool, field: str) -> tuple[np.ndarray, int]:
+        """Relevance of each text to the query, and the tokens it took: cross-encoder scores or cosines."""
+        if not query or query.isspace():
+            raise ApiError(422, "query is blank; send text with at least one non-space character")
+        self.check_texts(texts, field)
+        if self.engine.num_labels:
+            encoded = await self.offload(self.tokenizer.encode_pairs, [query] * len(texts), texts)
+            self.check_truncation(encoded, field, truncate)
+            scores = (await self.run(encoded))[:, 0]
+        else:
+            encoded = await self.offload(self.tokenizer.encode, [query, *texts])
+            self.check_truncation(Encoded(encoded.ids[1:], encoded.truncated[1:]), field, truncate)
+            if not truncate and encoded.truncated[0]:
+                raise ApiError(422, f"query is longer than the model's max length of {self.engine.max_length} tokens "
+                                    "and truncate is false; shorten it or send truncate: true")
+            vectors = self.finish(await self.run(encoded), None, True)
+            scores = vectors[1:] @ vectors[0]
+        return scores, sum(len(ids) for ids in encoded.ids)
+
+    async def run(self, encoded: Encoded) -> np.ndarray:
+        """The engine's rows for these sequences, awaited without blocking the loop."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def done(outcome: np.ndarray | BaseException) -> None:
+            loop.call_soon_threadsafe(_settle, future, outcome)
+
+        try:
+            self.scheduler.submit(encoded.ids, done, encoded.type_ids)
+        except QueueFull as error:
+            raise ApiError(429, f"the server is busy: {error}; retry after {RETRY_AFTER_SECONDS} s",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except SchedulerClosed:
+            raise ApiError(503, "the server is shutting down; retry against another instance") from None
+        outcome = await future
+        if isinstance(outcome, BaseException):
+            log.error("engine step failed", exc_info=outcome)
+            raise ApiError(500, f"the engine failed on this request ({short_reason(outcome)}); see the server log")
+        return outcome
+
+    def finish(self, vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
+        """Matryoshka cut, then L2 normalisation (as torch's F.normalize does, with its epsilon)."""
+        if dimensions is not None:
+            vectors = vectors[:, :dimensions]
+        if normalize:
+            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return vectors
+
+    async def offload(self, function: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, function, *args)
+
+    async def reply(self, payload: Any, floats: int) -> Response:
+        if floats > OFFLOAD_FLOATS:
+            content = await self.offload(_dumps, payload)
+        else:
+            content = _dumps(payload)
+        return Response(content, media_type="application/json")
+
+
+def _settle(future: asyncio.Future, outcome: np.ndarray | BaseException) -> None:
+    if not future.done():
+        future.set_result(outcome)
+
+
+def _dumps(payload: Any) -> bytes:
+    if isinstance(payload, np.ndarray):
+        payload = payload.tolist()
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+def _encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":  # little-endian float32, as OpenAI's clients decode it
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode()
+    return vector.tolist()
+
+
+# Errors: one JSON shape everywhere, OpenAI's {"error": {"message", "type", "code"}}, which its clients read.
+
+def _error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = ERROR_TYPES.get(status, "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status, headers=headers)
+
+
+async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
+    message = error.detail
+    if not isinstance(error, ApiError) and error.status_code == 404:
+        message = "no such endpoint; see /docs for the ones this server has"
+    elif not isinstance(error, ApiError) and error.status_code == 405:
+        message = "this endpoint does not take that method; see /docs"
+    return _error_response(error.status_code, message, error.headers)
+
+
+async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+    problems = error.errors()
+    first = problems[0] if problems else {}
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "")
+        return _error_response(400, f"the request body is not valid JSON ({reason}); send a JSON object")
+    parts = []
+    for problem in problems[:3]:
+        where = ".".join(str(part) for part in problem["loc"] if part != "body") or "body"
+        message = problem["msg"].removeprefix("Value error, ")
+        if problem["type"] == "extra_forbidden":
+            message = "is not a field of this endpoint; see /docs for the ones it reads"
+        elif where == "body" and problem["type"] in ("missing", "model_attributes_type", "dict_type"):
+            message = "must be a JSON object with this endpoint's fields; see /docs"
+        parts.append(f"{where}: {message}")
+    return _error_response(422, "; ".join(parts))
+
+
+class _Guard:
+    """Pure ASGI middleware: API key, request size, and the request metrics, before any routing."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_bytes: int, metrics: _Metrics) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_bytes = max_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send_status)
+            else:
+                await self.app(scope, self._limited(receive), send_status)
+        finally:
+            self.metrics.observe_request(scope["path"], status, time.perf_counter() - started)
+
+    def _refusal(self, scope: Scope) -> Response | None:
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] not in OPEN_PATHS and not secrets.compare_digest(
+                headers.get(b"authorization", b""), self.expected):
+            return _error_response(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                                   {"WWW-Authenticate": "Bearer"})
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return _error_response(413, self._too_large())
+        return None
+
+    def _limited(self, receive: Receive) -> Receive:
+        """receive(), failing with 413 once a body without a Content-Length grows past the limit."""
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise ApiError(413, self._too_large())  # FastAPI re-raises HTTPExceptions from reading the body
+            return message
+
+        return limited
+
+    def _too_large(self) -> str:
+        return (f"the request body is larger than this server's --max-request-bytes {self.max_bytes}; "
+                "send fewer or shorter inputs per request")
+
+
+class _Histogram:
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = list(bounds)
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        sep = "," if labels else ""
+        out, total = [], 0
+        for bound, count in zip([*self.bounds, float("inf")], self.counts):
+            total += count
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            out.append(f'{name}_bucket{{{labels}{sep}le="{le}"}} {total}')
+        label_block = f"{{{labels}}}" if labels else ""
+        out += [f"{name}_sum{label_block} {self.sum}", f"{name}_count{label_block} {total}"]
+        return out
+
+
+class _Metrics:
+    """Counters and histograms in the Prometheus text format, without a client library."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # batches are observed on the scheduler thread, requests on the loop
+        self.requests: dict[tuple[str, int], int] = {}
+        self.latency: dict[str, _Histogram] = {}
+        self.batch_tokens = _Histogram(TOKEN_BUCKETS)
+
+    def observe_request(self, path: str, status: int, seconds: float) -> None:
+        endpoint = path if path in ENDPOINTS else "other"  # unknown paths must not grow the label set
+        with self.lock:
+            self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
+            self.latency.setdefault(endpoint, _Histogram(LATENCY_BUCKETS)).observe(seconds)
+
+    def observe_batch(self, batch: PackedBatch) -> None:
+        with self.lock:
+            self.batch_tokens.observe(batch.num_tokens)
+
+    def render(self, service: _Service) -> str:
+        graphs = service.engine.stats
+        depth = service.scheduler.stats.depth if service.scheduler is not None else 0
+        lines = []
+
+        def family(name: str, kind: str, help_text: str, samples: list[str]) -> None:
+            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
+
+        with self.lock:
+            family("embedctl_requests_total", "counter", "HTTP requests by endpoint and status.",
+                   [f'embedctl_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
+            family("embedctl_request_duration_seconds", "histogram", "Time from request to response, by endpoint.",
+                   [line for e, h in sorted(self.latency.items())
+                    for line in h.lines("embedctl_request_duration_seconds", f'endpoint="{e}"')])
+            family("embedctl_batch_tokens", "histogram", "Tokens per engine batch.",
+                   self.batch_tokens.lines("embedctl_batch_tokens"))
+        family("embedctl_queue_depth", "gauge", "Sequences admitted and not yet answered.", [f"embedctl_queue_depth {depth}"])
+        family("embedctl_ready", "gauge", "1 once warm-up has finished.", [f"embedctl_ready {int(service.ready)}"])
+        for name, value, help_text in (("graph_captures", graphs.captures, "CUDA graphs captured."),
+                                       ("graph_replays", graphs.replays, "Batches run by replaying a CUDA graph."),
+                                       ("eager_runs", graphs.eager_runs, "Batches run eagerly on the GPU (a bucket's first hit).")):
+            family(f"embedctl_{name}_total", "counter", help_text, [f"embedctl_{name}_total {value}"])
+        return "\n".join(lines) + "\n"

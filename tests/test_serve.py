@@ -1,0 +1,463 @@
+"""`embedctl serve`: the real server on a loopback port, called with httpx and the official openai client.
+
+Oracles: `embedctl index` output for the same texts (vectors and token counts); numpy for the
+Matryoshka cut, normalisation and cosine ranking; transformers' own BertForSequenceClassification
+for cross-encoder scores; Engine.embed for the scheduler. The main server is `embedctl serve` in a
+subprocess with small limits so that every refusal can be reached; the cross-encoder server is the
+same app under uvicorn in a thread. Nothing here mocks the server, the engine or the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pyarrow.parquet as pq
+import pytest
+import torch
+import uvicorn
+from typer.testing import CliRunner
+
+from embedctl.cli import app as cli
+from embedctl.serve import create_app
+from engine import Engine, EngineConfig
+from engine.scheduler import QueueFull, Scheduler
+from pipelines.tokenize import TextTokenizer
+from tests.files import ENV, write_jsonl
+from tests.models import save_random_model
+
+SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
+KEY = "test-key"
+LIMITS = dict(max_batch_tokens=512, max_client_batch=32, max_queue=40, max_request_bytes=65536)
+SOAK_SECONDS = 30
+SOAK_CLIENTS = 8
+RSS_GROWTH_LIMIT = 24 << 20
+# glibc raises its mmap threshold each time a large block is freed, so a server that frees activations
+# of many sizes grows its heap for about a minute before levelling off (measured on MiniLM: 450 -> 510
+# MiB over 60 s, then flat). A fixed threshold removes that warm-up, so 30 s can tell a leak from it.
+SERVER_ENV = {**ENV, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def unit(vectors: np.ndarray) -> np.ndarray:
+    return vectors / np.linalg.norm(vectors, axis=-1, keepdims=True)
+
+
+def metric(client: httpx.Client, name: str) -> float:
+    text = client.get("/metrics").text
+    return float(re.search(rf"^{name} (\S+)$", text, re.MULTILINE).group(1))
+
+
+def rss_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024
+
+
+class Server:
+    def __init__(self, process: subprocess.Popen, port: int, log: Path) -> None:
+        self.process, self.url, self.log = process, f"http://127.0.0.1:{port}", log
+
+    def client(self, key: str | None = KEY) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=120)
+
+
+def start_server(minilm_dir: Path, log: Path, *options: str) -> Server:
+    """`embedctl serve` in a subprocess, returned once /health says 200."""
+    port = free_port()
+    command = [sys.executable, "-m", "embedctl.cli", "serve", "--port", str(port), "--device", "cpu",
+               "--model", str(minilm_dir), *options]
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, env=SERVER_ENV, stdout=sink, stderr=subprocess.STDOUT)
+    server = Server(process, port, log)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"embedctl serve exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=5).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    process.kill()
+    raise AssertionError(f"embedctl serve was not healthy within 180 s:\n{log.read_text()}")
+
+
+def stop(server: Server) -> None:
+    if server.process.poll() is None:
+        server.process.terminate()
+        server.process.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    limits = [f"--{name.replace('_', '-')}={value}" for name, value in LIMITS.items()]
+    server = start_server(minilm_dir, tmp_path_factory.mktemp("serve") / "server.log", "--api-key", KEY, *limits)
+    yield server
+    stop(server)
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[httpx.Client]:
+    with server.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    """Sample documents of 22 to 256+ tokens (two are cut at the max length) and one query first."""
+    query = json.loads((SAMPLE / "queries.jsonl").read_text().splitlines()[0])["text"]
+    rows = [json.loads(line) for line in (SAMPLE / "corpus" / "part-001.jsonl").read_text().splitlines()[:30]]
+    return [query] + [row["text"] for row in rows]
+
+
+@pytest.fixture(scope="module")
+def indexed(texts: list[str], minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, np.ndarray]:
+    """(vectors, n_tokens) of `texts` as `embedctl index` writes them, in text order."""
+    directory = tmp_path_factory.mktemp("index")
+    source = write_jsonl(directory / "texts.jsonl", [{"id": f"{i:03d}", "text": text} for i, text in enumerate(texts)])
+    result = CliRunner().invoke(cli, ["index", str(source), "--out", str(directory / "out.parquet"),
+                                      "--model", str(minilm_dir), "--device", "cpu", "--quiet"])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(directory / "out.parquet").sort_by("id")
+    return np.array(table["vector"].to_pylist(), dtype=np.float32), np.array(table["n_tokens"].to_pylist())
+
+
+# Vectors
+
+
+def test_openai_client_gets_the_vectors_of_embedctl_index(server: Server, client: httpx.Client, texts, indexed) -> None:
+    vectors, n_tokens = indexed
+    batches_before = metric(client, "embedctl_batch_tokens_count")
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    name = api.models.list().data[0].id
+    as_base64 = api.embeddings.create(model=name, input=texts)  # the client asks for base64 by default
+    as_float = api.embeddings.create(model=name, input=texts, encoding_format="float")
+    one = api.embeddings.create(model=name, input=texts[3], encoding_format="float")
+    for reply in (as_base64, as_float):
+        assert [item.index for item in reply.data] == list(range(len(texts)))
+        np.testing.assert_allclose(np.array([item.embedding for item in reply.data]), vectors, atol=1e-5)
+        assert reply.usage.prompt_tokens == reply.usage.total_tokens == n_tokens.sum()
+        assert reply.model == name
+    np.testing.assert_allclose(one.data[0].embedding, vectors[3], atol=1e-5)
+    # 31 texts of up to 256 tokens under a 512-token budget: each request was split over many batches
+    assert metric(client, "embedctl_batch_tokens_count") - batches_before >= 2 * n_tokens.sum() / LIMITS["max_batch_tokens"]
+
+
+def test_token_ids_give_the_vectors_of_their_texts(client: httpx.Client, texts, indexed, minilm_dir: Path) -> None:
+    ids = [ids.tolist() for ids in TextTokenizer(minilm_dir / "tokenizer.json", 256).encode(texts[:3]).ids]
+    many = client.post("/v1/embeddings", json={"input": ids})
+    single = client.post("/v1/embeddings", json={"input": ids[1]})
+    assert many.status_code == single.status_code == 200, many.text
+    np.testing.assert_allclose([item["embedding"] for item in many.json()["data"]], indexed[0][:3], atol=1e-5)
+    np.testing.assert_allclose(single.json()["data"][0]["embedding"], indexed[0][1], atol=1e-5)
+    assert many.json()["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
+
+
+def test_dimensions_cut_then_renormalise_and_embed_can_return_raw_vectors(client: httpx.Client, texts, indexed) -> None:
+    vectors = indexed[0][:4]
+    short = client.post("/v1/embeddings", json={"input": texts[:4], "dimensions": 64}).json()
+    np.testing.assert_allclose([item["embedding"] for item in short["data"]], unit(vectors[:, :64]), atol=1e-5)
+    tei = client.post("/embed", json={"inputs": texts[:4]}).json()
+    np.testing.assert_allclose(tei, vectors, atol=1e-5)
+    raw = np.array(client.post("/embed", json={"inputs": texts[:4], "normalize": False}).json())
+    assert not np.allclose(np.linalg.norm(raw, axis=1), 1, atol=1e-2)  # MiniLM's mean-pooled vectors are not unit
+    np.testing.assert_allclose(unit(raw), vectors, atol=1e-5)
+    raw_short = np.array(client.post("/embed", json={"inputs": texts[0], "normalize": False, "dimensions": 32}).json())
+    np.testing.assert_allclose(raw_short, raw[:1, :32], atol=1e-5)
+
+
+def test_rerank_sorts_documents_by_cosine(client: httpx.Client, texts, indexed) -> None:
+    vectors = indexed[0]
+    query, docs = texts[0], texts[1:9]
+    cosines = vectors[1:9] @ vectors[0]
+    order = np.argsort(-cosines, kind="stable")
+    tei = client.post("/rerank", json={"query": query, "texts": docs, "return_text": True}).json()
+    assert [hit["index"] for hit in tei] == order.tolist()
+    np.testing.assert_allclose([hit["score"] for hit in tei], cosines[order], atol=1e-5)
+    assert [hit["text"] for hit in tei] == [docs[i] for i in order]
+    cohere = client.post("/rerank", json={"query": query, "documents": docs, "top_n": 3, "return_documents": True}).json()
+    assert [hit["index"] for hit in cohere["results"]] == order[:3].tolist()
+    np.testing.assert_allclose([hit["relevance_score"] for hit in cohere["results"]], cosines[order[:3]], atol=1e-5)
+    assert cohere["results"][0]["document"] == {"text": docs[order[0]]}
+    assert cohere["usage"]["total_tokens"] == indexed[1][:9].sum()
+
+
+def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, minilm_dir: Path) -> None:
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # no key needed
+    assert [model["id"] for model in client.get("/v1/models").json()["data"]] == [str(minilm_dir)]
+    text = client.get("/metrics").text
+    for family in ("embedctl_requests_total", "embedctl_request_duration_seconds_bucket", "embedctl_queue_depth",
+                   "embedctl_batch_tokens_sum", "embedctl_graph_captures_total", "embedctl_graph_replays_total"):
+        assert family in text
+    assert re.search(r'embedctl_requests_total\{endpoint="/v1/models",status="200"\} [1-9]', text)
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/v1/embeddings", "/embed", "/rerank", "/health", "/metrics", "/v1/models"} <= set(paths)
+    assert client.get("/docs").status_code == 200
+
+
+# Refusals: each answers its status and a message that names the problem, and the server goes on serving.
+
+LONG = "word " * 400
+ERRORS = [
+    ("no key", "/v1/embeddings", {"input": "x"}, None, 401, "Authorization: Bearer"),
+    ("wrong key", "/v1/models", None, "nope", 401, "API key"),
+    ("malformed JSON", "/v1/embeddings", b'{"input": [', KEY, 400, "not valid JSON"),
+    ("not an object", "/embed", b"[1, 2]", KEY, 422, "JSON object"),
+    ("wrong input type", "/v1/embeddings", {"input": 5}, KEY, 422, "input: must be a string"),
+    ("mixed input", "/v1/embeddings", {"input": ["a", 1]}, KEY, 422, "list of token ids"),
+    ("wrong flag type", "/embed", {"inputs": "x", "normalize": "yes"}, KEY, 422, "normalize"),
+    ("misspelt field", "/embed", {"inputs": "x", "normalise": False}, KEY, 422, "normalise: is not a field"),
+    ("missing field", "/rerank", {"texts": ["a"]}, KEY, 422, "query"),
+    ("empty input", "/v1/embeddings", {"input": []}, KEY, 422, "input is empty"),
+    ("blank text", "/embed", {"inputs": ["fine", "  "]}, KEY, 422, "inputs[1] is blank"),
+    ("empty token list", "/v1/embeddings", {"input": [[101, 102], []]}, KEY, 422, "input[1] is an empty token-id list"),
+    ("token id out of range", "/v1/embeddings", {"input": [101, 10 ** 6]}, KEY, 422, "outside the model's vocabulary"),
+    ("unknown model", "/v1/embeddings", {"input": "x", "model": "gpt-4"}, KEY, 400, "unknown model 'gpt-4'"),
+    ("unknown format", "/v1/embeddings", {"input": "x", "encoding_format": "xml"}, KEY, 422, "encoding_format"),
+    ("too many dimensions", "/v1/embeddings", {"input": "x", "dimensions": 385}, KEY, 422, "at most 384"),
+    ("zero dimensions", "/embed", {"inputs": "x", "dimensions": 0}, KEY, 422, "dimensions"),
+    ("too many inputs", "/embed", {"inputs": ["x"] * 33}, KEY, 413, "--max-client-batch 32"),
+    ("too many documents", "/rerank", {"query": "q", "documents": ["x"] * 33}, KEY, 413, "--max-client-batch 32"),
+    ("body too large", "/embed", {"inputs": ["word " * 14000]}, KEY, 413, "--max-request-bytes 65536"),
+    ("too long, no truncation", "/embed", {"inputs": ["short", LONG], "truncate": False}, KEY, 422,
+     "inputs[1] is longer than the model's max length of 256"),
+    ("rerank too long", "/rerank", {"query": "q", "texts": [LONG], "truncate": False}, KEY, 422, "texts[0] is longer"),
+    ("texts and documents", "/rerank", {"query": "q", "texts": ["a"], "documents": ["b"]}, KEY, 422, "exactly one"),
+    ("blank query", "/rerank", {"query": " ", "texts": ["a"]}, KEY, 422, "query is blank"),
+    ("no such endpoint", "/v2/embeddings", {"input": "x"}, KEY, 404, "no such endpoint"),
+]
+
+
+@pytest.mark.parametrize("path, body, key, status, phrase", [case[1:] for case in ERRORS], ids=[case[0] for case in ERRORS])
+def test_bad_requests_get_their_status_and_message(server: Server, texts, indexed, path, body, key, status, phrase) -> None:
+    with server.client(key) as client:
+        if body is None:
+            reply = client.get(path)
+        elif isinstance(body, bytes):
+            reply = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        else:
+            reply = client.post(path, json=body)
+    assert reply.status_code == status, reply.text
+    assert phrase in reply.json()["error"]["message"]
+    with server.client() as client:
+        after = client.post("/embed", json={"inputs": texts[5]})
+    assert after.status_code == 200
+    np.testing.assert_allclose(after.json()[0], indexed[0][5], atol=1e-5)
+
+
+def test_body_without_length_is_cut_off_at_the_limit(client: httpx.Client) -> None:
+    def chunks() -> Iterator[bytes]:  # a generator body goes out chunked, with no Content-Length to check up front
+        yield b'{"inputs": "'
+        for _ in range(100):
+            yield b"word " * 200
+        yield b'"}'
+
+    reply = client.post("/embed", content=chunks(), headers={"Content-Type": "application/json"})
+    assert reply.status_code == 413 and "--max-request-bytes" in reply.json()["error"]["message"]
+
+
+def test_full_queue_gets_429_with_retry_after_then_serves_again(client: httpx.Client, server: Server) -> None:
+    # 32 sequences of 256 tokens hold 32 of the queue's 40 places until their 16 batches are done
+    slow: dict[str, httpx.Response] = {}
+    worker = threading.Thread(target=lambda: slow.update(reply=server.client().post("/embed", json={"inputs": [LONG] * 32})))
+    worker.start()
+    while metric(client, "embedctl_queue_depth") < 32:
+        assert worker.is_alive(), "the long request finished before the queue could be seen holding it"
+        time.sleep(0.002)
+    refused = client.post("/embed", json={"inputs": ["a query"] * 10})
+    worker.join()
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+    assert "the queue holds 32 of at most 40 sequences" in refused.json()["error"]["message"]
+    assert slow["reply"].status_code == 200 and len(slow["reply"].json()) == 32
+    assert client.post("/embed", json={"inputs": ["a query"] * 10}).status_code == 200
+
+
+def test_eight_clients_for_30_s_get_right_answers_and_memory_stays_flat(server: Server, texts, indexed) -> None:
+    vectors = indexed[0]
+    errors: list[str] = []
+    done = threading.Event()
+    counts = [0] * SOAK_CLIENTS
+
+    def client_loop(number: int) -> None:
+        rng = np.random.default_rng(number)
+        with server.client() as client:
+            while not done.is_set():
+                picks = rng.choice(len(texts), size=rng.integers(1, 5), replace=False)
+                kind = counts[number] % 3
+                if kind == 0:
+                    reply = client.post("/v1/embeddings", json={"input": [texts[i] for i in picks]})
+                    got = [item["embedding"] for item in reply.json()["data"]] if reply.status_code == 200 else None
+                elif kind == 1:
+                    reply = client.post("/embed", json={"inputs": [texts[i] for i in picks]})
+                    got = reply.json() if reply.status_code == 200 else None
+                else:
+                    reply = client.post("/rerank", json={"query": texts[picks[0]], "texts": [texts[i] for i in picks]})
+                    got = None
+                    if reply.status_code == 200 and reply.json()[0]["index"] != 0:  # the query itself must rank first
+                        errors.append(f"rerank ranked {reply.json()[0]} above the query's own text")
+                if reply.status_code != 200:
+                    errors.append(f"{reply.status_code} {reply.text[:200]}")
+                elif got is not None and not np.allclose(got, vectors[picks], atol=1e-5):
+                    errors.append(f"client {number} got vectors for the wrong texts")
+                counts[number] += 1
+
+    threads = [threading.Thread(target=client_loop, args=(n,)) for n in range(SOAK_CLIENTS)]
+    for thread in threads:
+        thread.start()
+    samples, started = [], time.monotonic()
+    while time.monotonic() - started < SOAK_SECONDS:
+        samples.append((time.monotonic() - started, rss_bytes(server.process.pid)))
+        time.sleep(0.5)
+    done.set()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and min(counts) > 0
+    settled = [rss for at, rss in samples if at >= SOAK_SECONDS / 3]  # after the first third, caches are warm
+    assert settled[-1] - settled[0] < RSS_GROWTH_LIMIT, f"RSS grew {settled[0] >> 20} -> {settled[-1] >> 20} MiB"
+
+
+# Shutdown
+
+
+def test_sigterm_drains_the_request_in_flight_then_exits(minilm_dir: Path, tmp_path: Path) -> None:
+    server = start_server(minilm_dir, tmp_path / "server.log", "--max-batch-tokens", "512")
+    try:
+        slow: dict[str, httpx.Response] = {}
+        worker = threading.Thread(target=lambda: slow.update(reply=server.client().post("/embed", json={"inputs": [LONG] * 24})))
+        worker.start()
+        with server.client() as client:
+            while metric(client, "embedctl_queue_depth") == 0:
+                assert worker.is_alive(), "the long request finished before SIGTERM could be sent"
+                time.sleep(0.002)
+        server.process.send_signal(signal.SIGTERM)
+        worker.join()
+        assert server.process.wait(60) in (0, -signal.SIGTERM)
+        assert slow["reply"].status_code == 200 and len(slow["reply"].json()) == 24
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(server.url + "/health")
+        assert "Traceback" not in server.log.read_text()
+    finally:
+        stop(server)
+
+
+def test_a_port_in_use_is_one_error_line(minilm_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "embedctl.cli", "serve", "--port", str(port), "--device", "cpu",
+                                 "--model", str(minilm_dir)], env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: cannot listen on 127.0.0.1:{port}")
+
+
+# Cross-encoder and the scheduler, in this process
+
+
+@contextmanager
+def serving(app) -> Iterator[str]:
+    """The app under uvicorn on a loopback port, in a thread; yields its URL once healthy."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path) -> None:
+    import transformers
+
+    path = save_random_model(tmp_path / "reranker", "BertForSequenceClassification", num_labels=1, type_vocab_size=2)
+    engine = Engine.load(str(path), EngineConfig(device="cpu", normalize=False))
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+    query, docs = "how do I read a csv file", ["Use pyarrow.csv.read_csv.", "A store of embeddings. " * 40, "csv", "x"]
+    pairs = tokenizer.encode_pairs([query] * len(docs), docs)
+    reference = transformers.BertForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        expected = np.array([torch.sigmoid(reference(input_ids=torch.from_numpy(ids).long()[None],
+                                                     token_type_ids=torch.from_numpy(types).long()[None]).logits).item()
+                             for ids, types in zip(pairs.ids, pairs.type_ids)])
+    order = np.argsort(-expected, kind="stable")
+    with serving(create_app(engine, tokenizer)) as url:
+        hits = httpx.post(url + "/rerank", json={"query": query, "texts": docs}).json()
+        cut = httpx.post(url + "/rerank", json={"query": query, "texts": docs, "truncate": False})
+        vectors = httpx.post(url + "/embed", json={"inputs": "x"})
+    assert [hit["index"] for hit in hits] == order.tolist()
+    np.testing.assert_allclose([hit["score"] for hit in hits], expected[order], atol=1e-5)
+    assert cut.status_code == 422 and "texts[1] is longer" in cut.json()["error"]["message"]
+    assert vectors.status_code == 400 and "cross-encoder" in vectors.json()["error"]["message"]
+
+
+def test_scheduler_answers_each_request_in_order_across_batches(random_bert: Path) -> None:
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", max_batch_tokens=64, max_length=32, normalize=False))
+    rng = np.random.default_rng(0)
+    requests = [[rng.integers(1000, 2000, size=rng.integers(1, 33)).astype(np.int32) for _ in range(rng.integers(1, 12))]
+                for _ in range(24)]
+    results: dict[int, np.ndarray | BaseException] = {}
+    answered = threading.Event()
+    batches: list[int] = []
+    scheduler = Scheduler(engine, max_queue=1000, on_batch=lambda batch: batches.append(batch.num_tokens))
+
+    def done(number: int):
+        def store(outcome) -> None:
+            results[number] = outcome
+            if len(results) == len(requests):
+                answered.set()
+        return store
+
+    submitters = [threading.Thread(target=lambda part=part: [scheduler.submit(requests[n], done(n)) for n in part])
+                  for part in (range(0, 24, 3), range(1, 24, 3), range(2, 24, 3))]
+    for thread in submitters:
+        thread.start()
+    for thread in submitters:
+        thread.join()
+    assert answered.wait(60)
+    with pytest.raises(QueueFull, match="at most 1000 sequences"):
+        scheduler.submit([np.array([101, 102], dtype=np.int32)] * 1001, done(-1))
+    scheduler.close()
+    for number, sequences in enumerate(requests):
+        np.testing.assert_allclose(results[number], engine.embed(sequences), atol=1e-5)
+    assert max(batches) <= 64 and sum(batches) == sum(len(s) for r in requests for s in r)
+    assert scheduler.stats.depth == 0
+
+
+def test_scheduler_close_answers_everything_admitted(random_bert: Path) -> None:
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", max_batch_tokens=64, max_length=32))
+    scheduler = Scheduler(engine, max_queue=100)
+    outcomes: list[np.ndarray] = []
+    for _ in range(10):
+        scheduler.submit([np.arange(100, 130, dtype=np.int32)] * 5, outcomes.append)
+    scheduler.close()
+    assert len(outcomes) == 10 and all(o.shape == (5, engine.dim) for o in outcomes)
+    with pytest.raises(Exception, match="shutting down"):
+        scheduler.submit([np.array([101, 102], dtype=np.int32)], outcomes.append)

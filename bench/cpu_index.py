@@ -123,7 +123,7 @@ def run_peer(model, source: Path, out: Path) -> None:
                            show_progress_bar=False)
     vector = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), pa.float32()), vectors.shape[1])
     db, name = lancedb_location(out)
-    lancedb.connect(db).create_table(name, data=pa.table({"id": table["id"], "vector": vector}), mode="overwrite")
+    lancedb.connect(db).create_table(name, data=pa.table({"id": table["id"], "vector": vector}), rebuild=True)
 
 
 # --- ours: embedctl index, through the calls the CLI makes -------------------------------------------------
@@ -135,7 +135,7 @@ def load_ours() -> tuple[Engine, TextTokenizer]:
 
 def run_ours(loaded: tuple[Engine, TextTokenizer], source: Path, out: Path) -> None:
     engine, tokenizer = loaded
-    run_index(engine, tokenizer, IndexOptions(source=str(source), out=str(out), mode="overwrite"))
+    run_index(engine, tokenizer, IndexOptions(source=str(source), out=str(out), rebuild=True))
 
 
 # --- checks and the sweep ----------------------------------------------------------------------------------

@@ -201,7 +201,7 @@ def throughput_suite(engine: Engine, tokenizer: TextTokenizer, texts: list[str],
     suite["ours_model"] = rate(timed(lambda: engine.embed(ids)))
     source = scratch / "corpus.parquet"
     pq.write_table(pa.table({"id": [str(i) for i in range(len(texts))], "text": texts}), source)
-    options = IndexOptions(source=str(source), out=str(scratch / "ours.parquet"), mode="overwrite")
+    options = IndexOptions(source=str(source), out=str(scratch / "ours.parquet"), rebuild=True)
     suite["ours_end_to_end"] = rate(timed(lambda: run_index(engine, tokenizer, options)))
     suite["ours_end_to_end_gpu_busy"] = gpu_busy_share(lambda: run_index(engine, tokenizer, options))
     suite["ours_read_and_tokenize_only"] = rate(timed(lambda: [tokenizer.encode([t or "" for t in chunk.texts])

@@ -18,7 +18,8 @@ import typer
 
 from embedctl.progress import index_progress
 from engine import Engine, EngineConfig, UserError
-from pipelines.index import IndexOptions, open_corpus, run_index
+from pipelines.index import IndexOptions, lock_output, open_corpus, run_index
+from pipelines.lock import OutputLocked
 from pipelines.score import ScoreOptions, open_inputs, run_score, write_run
 from pipelines.tokenize import TextTokenizer
 
@@ -27,6 +28,7 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_LOCKED = 75  # sysexits' EX_TEMPFAIL: another run holds the output; try again later
 
 
 class OnLong(str, Enum):
@@ -68,8 +70,13 @@ def index(
     text_col: Annotated[str, typer.Option(help="Column holding the text.")] = "text",
     id_col: Annotated[str, typer.Option(help="Column holding the id; when absent, ids are file:row.")] = "id",
     keep: Annotated[Optional[list[str]], typer.Option(help="Carry this input column into the output (repeatable).")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing output (at the end, atomically).")] = False,
-    append: Annotated[bool, typer.Option(help="Add rows to an existing output made with the same model settings.")] = False,
+    rebuild: Annotated[bool, typer.Option(help="Re-embed every row and replace --out at the end, atomically (to change the model or its settings).")] = False,
+    prune: Annotated[bool, typer.Option(help="Delete rows whose ids are no longer in SOURCE.")] = False,
+    commit_rows: Annotated[int, typer.Option(help="Commit every N embedded rows: a killed run loses at most one group, and the same command resumes.")] = 10_000,
+    doc_prompt: Annotated[Optional[str], typer.Option(help="Text put before every document, e.g. 'passage: ' (default: the model's 'document' prompt, if any).")] = None,
+    doc_prompt_name: Annotated[Optional[str], typer.Option(help="Name of a prompt in the model's sentence-transformers config, for documents.")] = None,
+    overwrite: Annotated[bool, typer.Option(hidden=True)] = False,
+    append: Annotated[bool, typer.Option(hidden=True)] = False,
     on_long: Annotated[OnLong, typer.Option(help="Texts over the max length: truncate (recorded per row) or error.")] = OnLong.truncate,
     on_empty: Annotated[OnEmpty, typer.Option(help="Null or blank texts: skip (counted) or error.")] = OnEmpty.skip,
     on_duplicate: Annotated[OnDuplicate, typer.Option(help="Repeated ids: error, or skip all but the first.")] = OnDuplicate.error,
@@ -88,9 +95,16 @@ def index(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print settings and graph counters.")] = False,
 ) -> None:
-    """Embed every row of SOURCE and write the vectors to --out."""
-    if overwrite and append:
-        _fail("--overwrite and --append contradict each other; pass one of them", report)
+    """Embed the rows of SOURCE that --out lacks or holds with another text, and write them to --out.
+
+    The first run builds --out; the same command run again updates it and resumes a killed run.
+
+    Exit codes: 0 done; 2 a problem with the input or the options (one line on stderr); 75 another run holds --out; 130 interrupted.
+    """
+    if overwrite or append:  # the flags of earlier versions: say what replaced them
+        _fail(f"--{'overwrite' if overwrite else 'append'} is gone: running again into an existing output updates "
+              "it (new rows added, changed rows re-embedded); drop the flag, or pass --rebuild to replace the output",
+              report)
 
     def run() -> None:
         _check_report_path(report)
@@ -98,15 +112,25 @@ def index(
                               cuda_graphs=not eager, compile=fuse, warmup=warmup, attention=attention, normalize=normalize,
                               dim=dim, max_length=max_length)
         options = IndexOptions(source=source, out=out, table=table, text_col=text_col, id_col=id_col,
-                               keep=tuple(keep or ()), mode="overwrite" if overwrite else "append" if append else "create",
-                               on_long=on_long.value, on_empty=on_empty.value, on_duplicate=on_duplicate.value)
+                               keep=tuple(keep or ()), prompt=doc_prompt, prompt_name=doc_prompt_name, rebuild=rebuild, prune=prune,
+                               commit_rows=commit_rows, on_long=on_long.value, on_empty=on_empty.value,
+                               on_duplicate=on_duplicate.value)
         corpus = open_corpus(options)  # a wrong path or a bad file should not wait for a model to load
-        engine, tokenizer = _load(model, config)
-        if verbose:
-            typer.echo(f"model {engine.files.name} on {engine.device} ({engine.dtype}), attention {engine.attention}, "
-                       f"dim {engine.dim}, max length {engine.max_length}, pooling {engine.pooling}", err=True)
-        with index_progress(enabled=not quiet and sys.stderr.isatty()) as progress:
-            result = run_index(engine, tokenizer, options, progress, corpus)
+        try:
+            with lock_output(options):  # taken before the model loads: a refused run returns at once
+                engine, tokenizer = _load(model, config)
+                if verbose:
+                    typer.echo(f"model {engine.files.name} on {engine.device} ({engine.dtype}), attention "
+                               f"{engine.attention}, dim {engine.dim}, max length {engine.max_length}, "
+                               f"pooling {engine.pooling}", err=True)
+                with index_progress(enabled=not quiet and sys.stderr.isatty()) as progress:
+                    result = run_index(engine, tokenizer, options, progress, corpus)
+        except OutputLocked as error:  # not written to --report: the run that holds the lock owns it
+            typer.echo(f"error: {error}", err=True)
+            raise typer.Exit(EXIT_LOCKED) from None
+        except KeyboardInterrupt:  # committed groups stay: they are what the next run resumes from
+            typer.echo(f"interrupted; the same command resumes from the last commit to {out}", err=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         if not quiet:
             typer.echo(result.summary(), err=True)
         if verbose:
@@ -132,8 +156,10 @@ def score(
     model: ModelOpt = None,
     text_col: Annotated[str, typer.Option(help="Column holding the text, in queries and documents.")] = "text",
     id_col: Annotated[str, typer.Option(help="Column holding the id, in queries and documents; when absent, ids are file:row.")] = "id",
-    query_prompt: Annotated[str, typer.Option(help="Text put before every query, e.g. 'query: '.")] = "",
-    doc_prompt: Annotated[str, typer.Option(help="Text put before every document, e.g. 'passage: '.")] = "",
+    query_prompt: Annotated[Optional[str], typer.Option(help="Text put before every query, e.g. 'query: ' (default: the model's 'query' prompt, if any).")] = None,
+    doc_prompt: Annotated[Optional[str], typer.Option(help="Text put before every document, e.g. 'passage: ' (default: the model's 'document' prompt, if any).")] = None,
+    query_prompt_name: Annotated[Optional[str], typer.Option(help="Name of a prompt in the model's sentence-transformers config, for queries.")] = None,
+    doc_prompt_name: Annotated[Optional[str], typer.Option(help="Name of a prompt in the model's sentence-transformers config, for documents.")] = None,
     max_batch_tokens: Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU).")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -146,7 +172,8 @@ def score(
         _check_report_path(report)
         options = ScoreOptions(queries=queries, docs=docs, index=index, reranker=reranker, rerank_depth=rerank_depth,
                                qrels=qrels, out=out, top_k=top_k, format=run_format.value, overwrite=overwrite,
-                               text_col=text_col, id_col=id_col, query_prompt=query_prompt, doc_prompt=doc_prompt)
+                               text_col=text_col, id_col=id_col, query_prompt=query_prompt, doc_prompt=doc_prompt,
+                               query_prompt_name=query_prompt_name, doc_prompt_name=doc_prompt_name)
         inputs = open_inputs(options)  # bad inputs should not wait for a model to load
         config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens)
         engine, tokenizer = _load(model, config)
@@ -161,6 +188,42 @@ def score(
             _write_report(report, json.dumps({**ranking.to_dict(), "metrics": metrics.to_dict() if metrics else None}, indent=2))
 
     _guarded(run, report)
+
+
+@app.command()
+def serve(
+    port: Annotated[int, typer.Option(help="TCP port to listen on.")] = 8000,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).")] = "127.0.0.1",
+    model: ModelOpt = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="EMBEDCTL_API_KEY", show_envvar=True,
+                                                   help="Require 'Authorization: Bearer KEY' on everything but /health.")] = None,
+    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU).")] = None,
+    max_seqs: Annotated[int, typer.Option(help="Sequences per engine step.")] = 512,
+    max_client_batch: Annotated[int, typer.Option(help="Inputs per request; more get 413.")] = 512,
+    max_request_bytes: Annotated[int, typer.Option(help="Request body size; larger gets 413.")] = 4 << 20,
+    max_queue: Annotated[int, typer.Option(help="Sequences admitted and not yet answered, over all clients; past it 429.")] = 8192,
+    max_length: Annotated[Optional[int], typer.Option(help="Truncate at this many tokens (default: the model's).")] = None,
+    dim: Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka), re-normalised when normalising.")] = None,
+    normalize: Annotated[Optional[bool], typer.Option("--normalize/--no-normalize", help="L2-normalise /v1/embeddings vectors (default: as the model says).")] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    attention: Annotated[str, typer.Option(help="auto, sdpa, varlen or flashinfer.")] = "auto",
+    eager: Annotated[bool, typer.Option(help="Run without CUDA graphs.")] = False,
+    fuse: Annotated[bool, typer.Option("--compile/--no-compile", help="Fuse residual+LayerNorm with torch.compile on a GPU.")] = True,
+    warmup: Annotated[bool, typer.Option(help="Capture every CUDA graph bucket before serving.")] = False,
+    access_log: Annotated[bool, typer.Option(help="Log one line per request.")] = False,
+) -> None:
+    """Serve embeddings and ranking over HTTP: OpenAI /v1/embeddings, TEI /embed and /rerank, /health, /metrics."""
+    from embedctl.serve import ServeLimits, ServeOptions, serve as run_server  # fastapi loads only for this command
+
+    def run() -> None:
+        config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
+                              cuda_graphs=not eager, compile=fuse, warmup=warmup, attention=attention,
+                              normalize=normalize, dim=dim, max_length=max_length)
+        limits = ServeLimits(max_client_batch=max_client_batch, max_request_bytes=max_request_bytes, max_queue=max_queue)
+        run_server(model, config, ServeOptions(host=host, port=port, api_key=api_key, limits=limits, access_log=access_log))
+
+    _guarded(run, None)
 
 
 def _load(model: str | None, config: EngineConfig) -> tuple[Engine, TextTokenizer]:

@@ -1,21 +1,30 @@
-"""`embedctl index`: a corpus of shards in, a vector table out, every stage running beside the engine.
+"""`embedctl index`: a corpus of shards in, a vector table kept up to date, every stage beside the engine.
 
-    reader thread -> tokenizer thread -> packer + Engine.step (this thread) -> writer thread
+    reader thread -> select + tokenizer thread -> packer + Engine.step (this thread) -> writer thread
 
-Bounded queues join the stages, so memory stays flat and the engine always has the next batch
-queued: while the device computes batch N+1, the writer thread waits on batch N's LazyTensor and
-writes finished chunks. Rows leave in the order they came. Nothing is visible in the output until
-the whole run commits; a failure anywhere aborts the writer and leaves any previous output as it was.
+Every row gets a content key: a hash of its text, its kept columns, the prompt and the settings that
+decide its vector (weights, pooling, normalisation, max length, dim). Rows whose id the output already
+holds under the same key are unchanged: they are counted and never tokenized or embedded. The rest are
+embedded and committed by the store in groups (pipelines/writers.py), so a run that fails or is killed
+keeps its committed groups and the same command resumes after them; with prune, ids that left the
+source are deleted at the end. Bounded queues join the stages, so memory stays flat (but for the ids
+and keys of the output and of the source) and the engine always has the next batch queued: while the
+device computes batch N+1, the writer thread waits on batch N's LazyTensor. Rows are written in the
+order they came.
+
+It does not guard against a second run on the same output: the caller holds lock_output(options).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -23,9 +32,10 @@ import pyarrow as pa
 
 from engine import Engine, Packer
 from engine.errors import UserError
+from pipelines.lock import hold_lock
 from pipelines.readers import Chunk, CorpusReader
-from pipelines.tokenize import TextTokenizer
-from pipelines.writers import VectorWriter, open_writer, output_schema
+from pipelines.tokenize import TextTokenizer, resolve_prompt
+from pipelines.writers import VectorStore, lock_file, open_store, output_schema
 
 QUEUE_DEPTH = 4
 
@@ -38,7 +48,11 @@ class IndexOptions:
     text_col: str = "text"
     id_col: str = "id"
     keep: tuple[str, ...] = ()
-    mode: str = "create"  # create | overwrite | append
+    prompt: str | None = None  # put in front of every text; None: the model's document prompt, if any
+    prompt_name: str | None = None  # a prompt of the model's sentence-transformers config
+    rebuild: bool = False  # re-embed everything and replace the output at the end
+    prune: bool = False  # delete rows whose ids are no longer in the source
+    commit_rows: int = 10_000  # embedded rows per commit: what a kill can lose
     on_long: str = "truncate"  # truncate | error
     on_empty: str = "skip"  # skip | error
     on_duplicate: str = "error"  # error | skip
@@ -51,7 +65,11 @@ class IndexReport:
     model: str
     device: str
     rows_read: int = 0
-    rows_written: int = 0
+    rows_written: int = 0  # embedded: added + updated
+    added: int = 0
+    updated: int = 0
+    unchanged: int = 0
+    deleted: int = 0
     tokens: int = 0
     truncated: int = 0
     skipped_empty: int = 0
@@ -68,7 +86,8 @@ class IndexReport:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def summary(self) -> str:
-        return (f"{self.rows_written:,} rows, {self.tokens:,} tokens in {self.seconds:.1f} s "
+        return (f"{self.rows_written + self.unchanged:,} rows: {self.added:,} added, {self.updated:,} updated, "
+                f"{self.unchanged:,} unchanged, {self.deleted:,} deleted; {self.tokens:,} tokens in {self.seconds:.1f} s "
                 f"({self.tokens_per_second:,.0f} tokens/s); {self.truncated:,} truncated, {self.skipped:,} skipped "
                 f"-> {self.output}")
 
@@ -85,6 +104,7 @@ class _Tokenized:
     rows: list[int]  # positions in the chunk of the rows kept
     ids: list[np.ndarray]
     truncated: list[bool]
+    keys: list[str]
     vectors: np.ndarray | None = None
     filled: int = 0
 
@@ -107,33 +127,50 @@ def open_corpus(options: IndexOptions) -> CorpusReader:
     return CorpusReader(options.source, options.text_col, options.id_col, options.keep, options.chunk_rows)
 
 
+def lock_output(options: IndexOptions) -> AbstractContextManager[None]:
+    """Hold options.out against other runs for the block; raises pipelines.lock.OutputLocked if one holds it."""
+    return hold_lock(lock_file(options.out, options.table), options.out)
+
+
 def run_index(engine: Engine, tokenizer: TextTokenizer, options: IndexOptions,
               progress: Progress | None = None, corpus: CorpusReader | None = None) -> IndexReport:
-    """Embed every row of options.source into options.out; returns the run's report.
+    """Bring options.out up to date with every row of options.source; returns the run's report.
 
     corpus is open_corpus(options) when the caller has opened it already. On any failure, including
-    KeyboardInterrupt, every pipeline thread has stopped and the output is as it was before the call.
+    KeyboardInterrupt, every pipeline thread has stopped; the output holds what it held before plus
+    the groups committed so far, which a run with the same options does not embed again.
     """
     reader = corpus or open_corpus(options)
+    options = replace(options, prompt=resolve_prompt(engine.files, "document", options.prompt, options.prompt_name),
+                      prompt_name=None)
     report = IndexReport(output=options.out, model=engine.files.name, device=str(engine.device))
     started = time.perf_counter()
     flow = _Flow()
-    writer: VectorWriter | None = None
+    store: VectorStore | None = None
     try:
-        tokenized = flow.stage(_tokenize(flow.stage(iter(reader)), tokenizer, options, report))
-        first = next(tokenized, None)
-        writer = open_writer(options.out, _schema(engine, first), options.mode, options.table)
+        chunks = flow.stage(iter(reader))
+        first = next(chunks, None)
+        settings = {**engine.settings(), "prompt": options.prompt}
+        schema = _schema(engine, settings, first)
+        store = open_store(options.out, schema, options.table, options.rebuild,
+                           options.commit_rows)
+        source: dict[str, str] = {}  # id -> content key of every row a fresh build would write
+        tokenized = flow.stage(_select(_chain(first, chunks), tokenizer, options, report, _ContentKeys(settings),
+                                       store.existing, source))
         if progress is not None:
             progress(0, 0, reader.total_rows)
-        flow.consume(_assemble(flow.stage_from_queue(), report, progress, reader.total_rows), writer)
-        _embed(engine, _chain(first, tokenized), flow)
+        vector_type = schema.field("vector").type.value_type
+        flow.consume(_assemble(flow.stage_from_queue(), report, progress, reader.total_rows, vector_type), store)
+        _embed(engine, tokenized, flow)
         flow.finish()
-        writer.commit()
+        report.deleted = store.finish(source, options.prune)
     except BaseException:
         flow.cancel()
-        if writer is not None:
-            writer.abort()
+        if store is not None:
+            store.abort()
         raise
+    if progress is not None:
+        progress(report.rows_written + report.unchanged + report.skipped, report.tokens, reader.total_rows)
     report.seconds = time.perf_counter() - started
     report.graphs = asdict(engine.stats)
     return report
@@ -150,24 +187,57 @@ def _embed(engine: Engine, items: Iterator[_Tokenized], flow: _Flow) -> None:
         flow.send((engine.step(batch), batch.tags))
 
 
-def _tokenize(chunks: Iterator[Chunk], tokenizer: TextTokenizer, options: IndexOptions,
-              report: IndexReport) -> Iterator[_Tokenized]:
-    seen: set[str] = set()
+class _ContentKeys:
+    """A row's content key: what decides its vector (the settings, prompt included, and its text) and
+    what else the output stores of it (its kept columns). 32 hex digits of a sha256."""
+
+    def __init__(self, settings: dict[str, str]) -> None:
+        identity = {key: value for key, value in settings.items() if key != "model"}  # the weights' hash names it
+        self._base = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
+
+    def of(self, text: str, kept: dict | None) -> str:
+        key = self._base.copy()
+        key.update(text.encode("utf-8", "surrogatepass"))
+        if kept is not None:
+            key.update(b"\0" + json.dumps(kept, sort_keys=True, default=str).encode())
+        return key.hexdigest()[:32]
+
+
+def _select(chunks: Iterator[Chunk], tokenizer: TextTokenizer, options: IndexOptions, report: IndexReport,
+            keys: _ContentKeys, existing: dict[str, str], source: dict[str, str]) -> Iterator[_Tokenized]:
+    """Tokenize the rows the output lacks or holds under another key; note every wanted row in source."""
     for chunk in chunks:
         report.rows_read += len(chunk.ids)
-        rows = [row for row in range(len(chunk.ids)) if _wanted(chunk, row, options, report, seen)]
+        kept = chunk.kept.to_pylist() if chunk.kept is not None else None
+        rows, row_keys = [], []
+        for row in range(len(chunk.ids)):
+            if not _wanted(chunk, row, options, report, source):
+                continue
+            row_id = chunk.ids[row]
+            key = source[row_id] = keys.of(chunk.texts[row], kept[row] if kept is not None else None)
+            stored = existing.get(row_id)
+            if stored == key:
+                report.unchanged += 1
+                continue
+            if stored is None:
+                report.added += 1
+            else:
+                report.updated += 1
+            rows.append(row)
+            row_keys.append(key)
         if not rows:
             continue
-        encoded = tokenizer.encode([chunk.texts[row] for row in rows])
+        encoded = tokenizer.encode([options.prompt + chunk.texts[row] for row in rows])
         if options.on_long == "error" and any(encoded.truncated):
             row = rows[encoded.truncated.index(True)]
             raise UserError(f"{chunk.where(row)}: text is longer than the model's {tokenizer.max_length} "
                             "tokens; shorten it or pass --on-long truncate")
-        yield _Tokenized(chunk, rows, encoded.ids, encoded.truncated)
+        yield _Tokenized(chunk, rows, encoded.ids, encoded.truncated, row_keys)
 
 
-def _wanted(chunk: Chunk, row: int, options: IndexOptions, report: IndexReport, seen: set[str]) -> bool:
-    """Whether a row goes to the engine: False (counted) for an empty text or a repeated id when skipping."""
+def _wanted(chunk: Chunk, row: int, options: IndexOptions, report: IndexReport, seen: dict[str, str]) -> bool:
+    """Whether a row belongs in the output (seen: the rows that do so far): False (counted) for an empty text
+    or a repeated id when skipping."""
     row_id, text = chunk.ids[row], chunk.texts[row]
     if not text or text.isspace():  # no stripped copy: the tokenizer strips once
         if options.on_empty == "error":
@@ -180,12 +250,11 @@ def _wanted(chunk: Chunk, row: int, options: IndexOptions, report: IndexReport, 
                             "make ids unique or pass --on-duplicate skip to keep the first")
         report.skipped_duplicate += 1
         return False
-    seen.add(row_id)
     return True
 
 
 def _assemble(results: Iterable[tuple], report: IndexReport, progress: Progress | None,
-              total_rows: int | None) -> Iterator[pa.RecordBatch]:
+              total_rows: int | None, vector_type: pa.DataType) -> Iterator[pa.RecordBatch]:
     """Wait on each batch's vectors in order; yield each chunk as a record batch once it is whole."""
     embedded = 0
     for lazy, tags in results:
@@ -194,20 +263,22 @@ def _assemble(results: Iterable[tuple], report: IndexReport, progress: Progress 
             if item.place(row, vector):
                 report.rows_written += len(item.rows)
                 report.truncated += sum(item.truncated)
-                yield _record_batch(item)
+                yield _record_batch(item, vector_type)
         embedded += len(tags)
         if progress is not None:
-            progress(embedded + report.skipped, report.tokens, total_rows)
+            progress(embedded + report.unchanged + report.skipped, report.tokens, total_rows)
 
 
-def _record_batch(item: _Tokenized) -> pa.RecordBatch:
+def _record_batch(item: _Tokenized, vector_type: pa.DataType) -> pa.RecordBatch:
     chunk, rows = item.chunk, item.rows
     dim = item.vectors.shape[1]
     columns = {
         "id": pa.array([chunk.ids[r] for r in rows], pa.string()),
-        "vector": pa.FixedSizeListArray.from_arrays(pa.array(item.vectors.reshape(-1), pa.float32()), dim),
+        # An int8 model's float32 results are whole numbers: the cast to the schema's int8 is exact.
+        "vector": pa.FixedSizeListArray.from_arrays(pa.array(item.vectors.reshape(-1)).cast(vector_type), dim),
         "n_tokens": pa.array([len(ids) for ids in item.ids], pa.int32()),
         "truncated": pa.array(item.truncated, pa.bool_()),
+        "content_key": pa.array(item.keys, pa.string()),
     }
     if chunk.kept is not None:
         kept = chunk.kept.take(rows)
@@ -216,13 +287,13 @@ def _record_batch(item: _Tokenized) -> pa.RecordBatch:
     return pa.RecordBatch.from_pydict(columns)
 
 
-def _schema(engine: Engine, first: _Tokenized | None) -> pa.Schema:
-    kept = first.chunk.kept.schema if first is not None and first.chunk.kept is not None else None
-    metadata = {f"embedctl.{key}": value for key, value in engine.settings().items()}
-    return output_schema(engine.dim, kept, metadata)
+def _schema(engine: Engine, settings: dict[str, str], first: Chunk | None) -> pa.Schema:
+    kept = first.kept.schema if first is not None and first.kept is not None else None
+    return output_schema(engine.dim, kept, {f"embedctl.{key}": value for key, value in settings.items()},
+                         pa.from_numpy_dtype(np.dtype(engine.vector_dtype)))
 
 
-def _chain(first: _Tokenized | None, rest: Iterator[_Tokenized]) -> Iterator[_Tokenized]:
+def _chain(first: Chunk | None, rest: Iterator[Chunk]) -> Iterator[Chunk]:
     if first is not None:
         yield first
         yield from rest
@@ -234,7 +305,7 @@ class _Flow:
     stage(it) runs an iterator in its own thread and returns an iterator over its items; send()
     and consume() are the queue from the engine loop to the writer thread. finish() ends the
     queue and waits for every thread; cancel() stops them all and waits for them too, so that
-    nothing still writes when the caller aborts the writer.
+    nothing still writes when the caller aborts the store.
     """
 
     _END = object()
@@ -263,11 +334,11 @@ class _Flow:
     def stage_from_queue(self) -> Iterator:
         return self._drain(self.results)
 
-    def consume(self, records: Iterator[pa.RecordBatch], writer: VectorWriter) -> None:
+    def consume(self, records: Iterator[pa.RecordBatch], store: VectorStore) -> None:
         def write() -> None:
             try:
                 for record in records:
-                    writer.write(record)
+                    store.write(record)
             except BaseException as error:  # noqa: BLE001 - handed to the main thread
                 self._fail(error)
 

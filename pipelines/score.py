@@ -33,7 +33,7 @@ from engine import Engine, PackedBatch
 from engine.errors import UserError, short_reason
 from pipelines.qrels import Metrics, Qrels, evaluate, read_qrels
 from pipelines.readers import Chunk, CorpusReader
-from pipelines.tokenize import TextTokenizer
+from pipelines.tokenize import TextTokenizer, resolve_prompt
 
 FORMATS = ("jsonl", "trec")
 TREC_RUN_TAG = "embedctl"
@@ -60,8 +60,10 @@ class ScoreOptions:
     overwrite: bool = False
     text_col: str = "text"
     id_col: str = "id"
-    query_prompt: str = ""  # prepended to every query text as it is
-    doc_prompt: str = ""  # prepended to every document text as it is
+    query_prompt: str | None = None  # put in front of every query; None: see resolve_prompt
+    doc_prompt: str | None = None  # put in front of every document; None: see resolve_prompt
+    query_prompt_name: str | None = None  # a prompt of the model's sentence-transformers config
+    doc_prompt_name: str | None = None
     chunk_rows: int = 1024
 
 
@@ -211,7 +213,9 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
          options: ScoreOptions, top_k: int | None = None) -> Ranking:
     """The top documents (options.top_k unless top_k is given) for every query, by cosine."""
     started = time.perf_counter()
-    top = RunningTopK(_vectors(engine, tokenizer, queries.texts, options.query_prompt), top_k or options.top_k)
+    query_prompt = resolve_prompt(engine.files, "query", options.query_prompt, options.query_prompt_name)
+    doc_prompt = resolve_prompt(engine.files, "document", options.doc_prompt, options.doc_prompt_name)
+    top = RunningTopK(_vectors(engine, tokenizer, queries.texts, query_prompt), top_k or options.top_k)
     doc_ids: list[str] = []
     seen: set[str] = set()
     skipped = 0
@@ -234,7 +238,7 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
                 doc_ids.append(doc_id)
                 rows.append(row)
             if rows:
-                top.add(_vectors(engine, tokenizer, [chunk.texts[row] for row in rows], options.doc_prompt))
+                top.add(_vectors(engine, tokenizer, [chunk.texts[row] for row in rows], doc_prompt))
     if not doc_ids:
         source = options.docs if options.index is None else options.index
         raise UserError(f"{source} holds no documents with text; give a corpus with at least one non-empty text")

@@ -16,7 +16,11 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from engine.checkpoint import ModelFiles
 from engine.errors import UserError
+
+# The prompt names sentence-transformers' encode_query / encode_document look for, in order.
+ROLE_PROMPTS = {"query": ("query",), "document": ("document", "passage", "corpus")}
 
 
 @dataclass(frozen=True)
@@ -51,3 +55,26 @@ class TextTokenizer:
         return Encoded(ids=[np.asarray(e.ids, dtype=np.int32) for e in encodings],
                        truncated=[bool(e.overflowing) for e in encodings],
                        type_ids=[np.asarray(e.type_ids, dtype=np.int32) for e in encodings])
+
+
+def resolve_prompt(files: ModelFiles, role: str, text: str | None, name: str | None) -> str:
+    """The text put in front of every input of `role` ("query" or "document").
+
+    An explicit text wins; then a prompt name from the model's sentence-transformers config; then, as
+    sentence-transformers' encode_query/encode_document do, the model's prompt for that role, or its
+    default prompt; else nothing.
+    """
+    if text is not None and name is not None:
+        raise UserError(f"give the {role} prompt as a text or as a name, not both")
+    if text is not None:
+        return text
+    if name is not None:
+        if name not in files.prompts:
+            known = ", ".join(sorted(files.prompts)) or "none"
+            raise UserError(f"{files.name} has no prompt named {name!r} (it has: {known}); "
+                            f"pick one of those or pass the {role} prompt as text")
+        return files.prompts[name]
+    for candidate in ROLE_PROMPTS[role]:
+        if candidate in files.prompts:
+            return files.prompts[candidate]
+    return files.prompts.get(files.default_prompt_name, "") if files.default_prompt_name else ""

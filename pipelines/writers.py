@@ -1,23 +1,30 @@
-"""Vector table writers: a LanceDB table, one Parquet file or a directory of Parquet part files.
+"""Vector stores: a LanceDB table, one Parquet file or a directory of Parquet part files, kept up to date.
 
-open_writer picks the format from the output name, refuses an existing output or checks that an append
-matches it, and returns a VectorWriter. write() takes batches; nothing is visible until commit(), which
-shows them all at once; abort() drops them and leaves any previous output exactly as it was.
+open_store picks the format from the output name and checks that an existing output was made by embedctl
+with this run's settings and columns; with rebuild it builds a replacement beside it instead. `existing`
+maps the ids the store holds to their content keys. write() takes record batches and commits them in
+groups of commit_rows rows, each group atomically: a Lance version (merge_insert by id when the group
+holds ids the table already has), or a Parquet part written under a temporary name and renamed into
+place. finish() commits the rest, removes rows that the run superseded or pruned and, for a rebuild,
+swaps the replacement in. abort() drops what is not committed. Committed groups stay through a failure
+or a kill: that partial output is what lets the next run resume, and it is the one state in which an
+output holds part of a run.
 
-It is not a reader of vector tables and builds no vector index. The schema, including the embedctl.*
-metadata that identifies the model, comes from the caller through output_schema().
+A single Parquet file cannot grow in place: it is rewritten whole (new rows, then the old rows that
+stay) under a temporary name and renamed at finish, so it commits once and a killed run starts over.
+
+It is not a reader of vector tables for search, builds no vector index, does not decide which rows to
+embed (pipelines/index.py does) and takes no lock (pipelines/lock.py; lock_file() names the file).
 """
 
 from __future__ import annotations
 
 import posixpath
-import queue
 import re
-import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal, Protocol
+from typing import Protocol
 
 import fsspec
 import pyarrow as pa
@@ -25,24 +32,27 @@ import pyarrow.parquet as pq
 
 from engine.errors import UserError, short_reason
 
-Mode = Literal["create", "overwrite", "append"]
-
-# Metadata that may differ between runs appending to one table: the model's spelling (a hub id
-# or a path to the same files; the weights' hash is what must match) and the creation time.
-_RUN_SPECIFIC = frozenset({"embedctl.created", "embedctl.model"})
+CONTENT_KEY = "content_key"
+# The model's spelling may differ between runs on one output (a hub id or a path to the same files);
+# the weights' hash is what must match.
+_RUN_SPECIFIC = frozenset({"embedctl.model"})
 _ROW_GROUP_BYTES = 64 << 20
-_PART_BYTES = 512 << 20
-_QUEUE_BATCHES = 8
 _PART_NAME = re.compile(r"part-(\d+)\.parquet$")
+_TMP = ".tmp-"  # prefix of a Parquet part not yet committed; hidden from readers
+_REBUILD = ".rebuild"  # where a directory rebuild stages its parts; a Lance rebuild's table is .NAME.rebuild
+_DELETE_IDS = 1000  # ids per Lance delete predicate
 
 
-def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str]) -> pa.Schema:
-    """id, vector (float32 x dim), n_tokens, truncated, then the kept columns; metadata on the schema."""
+def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
+                  vector_type: pa.DataType | None = None) -> pa.Schema:
+    """id, vector (vector_type, float32 by default, x dim), n_tokens, truncated, content_key, then the
+    kept columns; metadata on the schema."""
     fields = [
         pa.field("id", pa.string()),
-        pa.field("vector", pa.list_(pa.float32(), dim)),
+        pa.field("vector", pa.list_(vector_type or pa.float32(), dim)),
         pa.field("n_tokens", pa.int32()),
         pa.field("truncated", pa.bool_()),
+        pa.field(CONTENT_KEY, pa.string()),
     ]
     for field in kept or []:
         if field.name in {f.name for f in fields}:
@@ -50,49 +60,123 @@ def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str]) ->
     return pa.schema([*fields, *(kept or [])], metadata=metadata)
 
 
-class VectorWriter(Protocol):
+class VectorStore(Protocol):
+    existing: dict[str, str]  # id -> content_key of every row committed before this run
+
     def write(self, batch: pa.RecordBatch) -> None: ...
 
-    def commit(self) -> int: ...
+    def finish(self, source: dict[str, str], prune: bool) -> int: ...
 
     def abort(self) -> None: ...
 
 
-def open_writer(out: str, schema: pa.Schema, mode: Mode = "create", table: str | None = None) -> VectorWriter:
-    """A writer for out; raises UserError, before writing anything, if out cannot take this schema."""
-    if mode not in ("create", "overwrite", "append"):
-        raise ValueError(f"unknown mode {mode!r}")
+def open_store(out: str, schema: pa.Schema, table: str | None = None, rebuild: bool = False,
+               commit_rows: int = 10_000) -> VectorStore:
+    """A store for out; raises UserError, before changing anything, if out cannot take this schema.
+
+    finish(source, prune) takes the id -> content_key of every row of the run's source and returns how
+    many ids it deleted: with prune, those that are not in source.
+    """
+    if commit_rows < 1:
+        raise UserError(f"--commit-rows {commit_rows}: give a positive number of rows")
     if table is not None:
-        return _LanceWriter(f"table '{table}' in {out}", out, table, schema, mode)
+        return _LanceStore(f"table '{table}' in {out}", out, table, schema, rebuild, commit_rows)
     if out.rstrip("/").endswith(".lance"):
         db, _, name = out.rstrip("/").rpartition("/")
-        return _LanceWriter(out, db or ".", name.removesuffix(".lance"), schema, mode)
+        return _LanceStore(out, db or ".", name.removesuffix(".lance"), schema, rebuild, commit_rows)
+    fs, path, is_dir = _locate(out)
+    if is_dir:
+        return _ParquetDirStore(out, fs, path.rstrip("/"), schema, rebuild, commit_rows)
+    return _ParquetFileStore(out, fs, path, schema, rebuild)
+
+
+def lock_file(out: str, table: str | None = None) -> str | None:
+    """The local file that guards out against a second run (beside it, hidden), or None for a remote out."""
+    if "://" in out and not out.startswith("file://"):
+        return None
+    path = out.removeprefix("file://").rstrip("/") or "."
+    if table is not None:
+        return posixpath.join(path, f".{table}.lance.lock")
+    parent, base = posixpath.split(path)
+    return posixpath.join(parent, f".{base}.lock")
+
+
+def _locate(out: str) -> tuple[fsspec.AbstractFileSystem, str, bool]:
     try:
         fs, path = fsspec.core.url_to_fs(out)
         is_dir = out.endswith("/") or fs.isdir(path)
     except (ValueError, ImportError, OSError) as e:
         raise UserError(f"cannot open {out} ({short_reason(e)}); give a local path or an fsspec URL") from None
-    if is_dir:
-        return _ParquetDirWriter(out, fs, path.rstrip("/"), schema, mode)
-    if out.endswith(".parquet"):
-        return _ParquetFileWriter(out, fs, path, schema, mode)
-    raise UserError(
-        f"cannot tell what kind of output {out} is; name it *.lance for a LanceDB table, *.parquet for one "
-        "Parquet file, or end it with / for a directory of Parquet files (or pass --table for a LanceDB database)"
-    )
+    if not is_dir and not out.endswith(".parquet"):
+        raise UserError(
+            f"cannot tell what kind of output {out} is; name it *.lance for a LanceDB table, *.parquet for one "
+            "Parquet file, or end it with / for a directory of Parquet files (or pass --table for a LanceDB database)"
+        )
+    return fs, path, is_dir
 
 
-class _Abort(Exception):
-    """Raised inside Lance's read of the batch stream so that Lance commits nothing."""
+class _Groups:
+    """Batches gathered, and split where needed, into groups of commit_rows rows."""
+
+    def __init__(self, schema: pa.Schema, commit_rows: int) -> None:
+        self._schema, self._commit_rows = schema, commit_rows
+        self._batches: list[pa.RecordBatch] = []
+        self._rows = 0
+
+    def add(self, batch: pa.RecordBatch) -> Iterator[pa.Table]:
+        """Keep batch; yield each group it completes."""
+        _check_batch(batch, self._schema)
+        while self._rows + batch.num_rows >= self._commit_rows:
+            room = self._commit_rows - self._rows
+            self._batches.append(batch.slice(0, room))
+            batch = batch.slice(room)
+            self._rows = self._commit_rows
+            yield self.take()
+        if batch.num_rows:
+            self._batches.append(batch)
+            self._rows += batch.num_rows
+
+    def take(self) -> pa.Table | None:
+        """The rows kept so far, as a table with the output schema, or None if there are none."""
+        if not self._batches:
+            return None
+        group = pa.Table.from_batches(self._batches, schema=self._schema)
+        self._batches, self._rows = [], 0
+        return group
 
 
-_END = object()
+class _Survivors:
+    """Which stored rows stay at finish, asked newest copy first: one row per id, and for an id of the
+    source only the source's version of it; ids that left the source stay unless pruned."""
+
+    def __init__(self, source: dict[str, str], prune: bool) -> None:
+        self._source, self._prune = source, prune
+        self._kept: set[str] = set()
+        self.pruned: set[str] = set()
+
+    def mask(self, ids: list[str], keys: list[str]) -> list[bool]:
+        stays = []
+        for row_id, key in zip(ids, keys):
+            wanted = self._source.get(row_id)
+            if row_id in self._kept:
+                keep = False
+            elif wanted is None:
+                keep = not self._prune
+                if self._prune:
+                    self.pruned.add(row_id)
+            else:
+                keep = key == wanted
+            if keep:
+                self._kept.add(row_id)
+            stays.append(keep)
+        return stays
 
 
-class _LanceWriter:
-    """Streams every batch into one Lance commit, made by a thread that reads a bounded queue."""
+class _LanceStore:
+    """A LanceDB table, created by its first group; a rebuild fills the table .NAME.rebuild and copies it
+    over NAME in one commit at finish."""
 
-    def __init__(self, shown: str, db_uri: str, name: str, schema: pa.Schema, mode: Mode) -> None:
+    def __init__(self, shown: str, db_uri: str, name: str, schema: pa.Schema, rebuild: bool, commit_rows: int) -> None:
         import lancedb  # here, not at the top: Parquet output works where lancedb is not installed
 
         self._shown, self._name, self._schema = shown, name, schema
@@ -100,217 +184,203 @@ class _LanceWriter:
             self._db = lancedb.connect(db_uri)
         except ValueError as e:
             raise UserError(f"cannot open LanceDB database {db_uri} ({short_reason(e)}); check the path or URI") from None
-        existing = self._open_existing()
-        if existing is not None and mode == "create":
-            raise UserError(_exists(shown))
-        if existing is not None and mode == "append":
-            _check_append(shown, existing.schema, schema)
-        self._existed = existing is not None
-        self._rows = 0
-        self._closed = False
-        self._error: BaseException | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=_QUEUE_BATCHES)
-        append = existing is not None and mode == "append"
-        self._thread = threading.Thread(target=self._run, args=(append,), name=f"lance-writer-{name}", daemon=True)
-        self._thread.start()
+        self._table = self._open(name)
+        self._target = name
+        if self._table is not None and rebuild:
+            self._target = f".{name}{_REBUILD}"
+            self._table = self._open(self._target)
+            if self._table is not None and _incompatibility(self._table.schema, schema) is not None:
+                self._db.drop_table(self._target)  # a rebuild for other settings, left by a killed run
+                self._table = None
+        elif self._table is not None:
+            _check_compatible(shown, self._table.schema, schema)
+        self._groups = _Groups(schema, commit_rows)
+        self.existing: dict[str, str] = {}
+        if self._table is not None:
+            stored = self._table.to_lance().to_table(columns=["id", CONTENT_KEY])
+            self.existing = dict(zip(stored.column("id").to_pylist(), stored.column(CONTENT_KEY).to_pylist()))
 
-    def _open_existing(self) -> object | None:
+    def _open(self, name: str) -> object | None:
         try:
-            return self._db.open_table(self._name)
-        except ValueError:  # Lance's "table not found"; a directory left by a crashed run counts as absent
+            return self._db.open_table(name)
+        except ValueError:  # Lance's "table not found"; a directory left by a killed create counts as absent
             return None
 
-    def _batches(self) -> Iterator[pa.RecordBatch]:
-        while (item := self._queue.get()) is not _END:
-            if isinstance(item, _Abort):
-                raise item
-            yield item
-
-    def _run(self, append: bool) -> None:
-        stream = pa.RecordBatchReader.from_batches(self._schema, self._batches())
-        try:
-            if append:
-                self._db.open_table(self._name).add(stream)
-            else:
-                mode = "overwrite" if self._existed else "create"
-                self._db.create_table(self._name, data=stream, schema=self._schema, mode=mode)
-        except BaseException as e:
-            self._error = e
-            if not self._existed:
-                # A failed create leaves an empty table directory that list_tables() would still show.
-                self._db.drop_table(self._name, ignore_missing=True)
-
     def write(self, batch: pa.RecordBatch) -> None:
-        self._check_open()
-        _check_batch(batch, self._schema)
-        self._put(batch)
-        self._rows += batch.num_rows
+        for group in self._groups.add(batch):
+            self._commit(group)
 
-    def commit(self) -> int:
-        self._check_open()
-        self._put(_END)
-        self._thread.join()
-        self._closed = True
-        self._raise_failure()
-        return self._rows
+    def _commit(self, group: pa.Table) -> None:
+        with _io_errors(self._shown):
+            if self._table is None:
+                self._table = self._db.create_table(self._target, data=group, schema=self._schema)
+            elif any(row_id in self.existing for row_id in group.column("id").to_pylist()):
+                self._table.merge_insert("id").when_matched_update_all().when_not_matched_insert_all().execute(group)
+            else:  # only new ids: a plain append, with no join against the whole table
+                self._table.add(group)
+
+    def finish(self, source: dict[str, str], prune: bool) -> int:
+        replace = self._target != self._name
+        if (group := self._groups.take()) is not None:
+            self._commit(group)
+        elif self._table is None:  # an empty source still makes an (empty) table
+            self._commit(self._schema.empty_table())
+        gone = sorted(self.existing.keys() - source.keys()) if prune or replace else []
+        with _io_errors(self._shown):
+            for start in range(0, len(gone), _DELETE_IDS):
+                quoted = ", ".join("'" + row_id.replace("'", "''") + "'" for row_id in gone[start:start + _DELETE_IDS])
+                self._table.delete(f"id IN ({quoted})")
+            if replace:
+                rows = self._table.to_lance().scanner().to_reader()
+                self._db.create_table(self._name, data=rows, schema=self._schema, mode="overwrite")
+                self._db.drop_table(self._target)
+        return len(gone)
 
     def abort(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        while True:  # make room for the abort signal; the writer thread is the only other user
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        if self._thread.is_alive():
-            self._queue.put(_Abort())
-            self._thread.join()
-
-    def _put(self, item: object) -> None:
-        while True:  # a writer thread that has failed no longer drains the queue
-            self._raise_failure()
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def _raise_failure(self) -> None:
-        if isinstance(self._error, OSError):
-            raise UserError(f"cannot write {self._shown} ({short_reason(self._error)}); check free space and permissions")
-        if self._error is not None:
-            raise self._error
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"the writer for {self._shown} is already committed or aborted")
+        self._groups.take()
 
 
-class _ParquetFileWriter:
-    """Writes a temporary file beside the output and renames it onto the output at commit."""
+class _ParquetDirStore:
+    """A directory whose *.parquet files are the table (other files are left alone); each group is a new
+    part. A rebuild stages its parts in DIR/.rebuild and moves them in at finish, after the old parts."""
 
-    def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema, mode: Mode) -> None:
-        if mode == "append":
-            raise UserError(
-                f"cannot append to the single Parquet file {shown}; write to a directory of Parquet files "
-                "(an output ending in /) to append"
-            )
+    def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema,
+                 rebuild: bool, commit_rows: int) -> None:
+        self._shown, self._fs, self._root, self._schema = shown, fs, path, schema
+        self._path = path
+        with _io_errors(shown):
+            if self._parts(path) and rebuild:
+                self._path = posixpath.join(path, _REBUILD)
+                if any(_incompatibility(_read_schema(fs, p, shown), schema) for p in self._parts(self._path)):
+                    fs.rm(self._path, recursive=True)  # a rebuild for other settings, left by a killed run
+            else:
+                for part in self._parts(path):
+                    _check_compatible(shown, _read_schema(fs, part, shown), schema)
+            for leftover in self._listing(self._path):  # parts a killed run did not commit
+                if posixpath.basename(leftover).startswith(_TMP):
+                    fs.rm(leftover, recursive=True)
+            parts = self._parts(self._path)
+            self._next = _part_number(parts[-1]) + 1 if parts else 0
+            self.existing = {}
+            for part in reversed(parts):  # newest first: after a kill mid-finish, the newest copy is the run's
+                stored = pq.read_table(part, columns=["id", CONTENT_KEY], filesystem=fs)
+                for row_id, key in zip(stored.column("id").to_pylist(), stored.column(CONTENT_KEY).to_pylist()):
+                    self.existing.setdefault(row_id, key)
+        self._groups = _Groups(schema, commit_rows)
+
+    def _listing(self, path: str) -> list[str]:
+        return self._fs.ls(path, detail=False) if self._fs.isdir(path) else []
+
+    def _parts(self, path: str) -> list[str]:
+        """The table's files in path, in the order they were committed."""
+        files = [p for p in self._listing(path) if p.endswith(".parquet") and not posixpath.basename(p).startswith(_TMP)]
+        return sorted(files, key=lambda p: (_part_number(p), p))
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        for group in self._groups.add(batch):
+            self._commit(group)
+
+    def _commit(self, group: pa.Table) -> None:
+        name = f"part-{self._next:05d}.parquet"
+        with _io_errors(self._shown):
+            self._fs.makedirs(self._path, exist_ok=True)
+            _replace(self._fs, posixpath.join(self._path, name), group)
+        self._next += 1
+
+    def finish(self, source: dict[str, str], prune: bool) -> int:
+        replace = self._path != self._root
+        if (group := self._groups.take()) is not None:
+            self._commit(group)
+        survivors = _Survivors(source, prune or replace)
+        with _io_errors(self._shown):
+            self._fs.makedirs(self._path, exist_ok=True)
+            for part in reversed(self._parts(self._path)):
+                stored = pq.read_table(part, columns=["id", CONTENT_KEY], filesystem=self._fs)
+                stays = survivors.mask(stored.column("id").to_pylist(), stored.column(CONTENT_KEY).to_pylist())
+                if not any(stays):
+                    self._fs.rm(part)
+                elif not all(stays):
+                    _replace(self._fs, part, pq.read_table(part, filesystem=self._fs).filter(pa.array(stays)))
+            if replace:
+                self._swap_in()
+        return len(survivors.pruned)
+
+    def _swap_in(self) -> None:
+        """Move the staged parts into the directory, numbered after the old ones, then remove the old ones.
+
+        Not atomic across files: a crash between the two steps leaves old and new parts side by side,
+        which the next run with --rebuild replaces."""
+        old = self._parts(self._root)
+        number = _part_number(old[-1]) + 1 if old else 0
+        for offset, part in enumerate(self._parts(self._path)):
+            self._fs.mv(part, posixpath.join(self._root, f"part-{number + offset:05d}.parquet"))
+        if old:
+            self._fs.rm(old)
+        self._fs.rm(self._path, recursive=True)
+
+    def abort(self) -> None:
+        self._groups.take()
+
+
+class _ParquetFileStore:
+    """One Parquet file, rewritten whole beside the output and renamed onto it at finish."""
+
+    def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema, rebuild: bool) -> None:
         self._shown, self._fs, self._path, self._schema = shown, fs, path, schema
         parent, base = posixpath.split(path)
         self._tmp = posixpath.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.tmp")
-        self._rows = 0
         self._closed = False
+        self.existing: dict[str, str] = {}
         with _io_errors(shown):
-            if mode == "create" and fs.exists(path):
-                raise UserError(_exists(shown))
+            self._old = fs.exists(path) and not rebuild
+            self._stored: tuple[list[str], list[str]] = ([], [])  # id and content_key of the old rows, in order
+            if self._old:
+                _check_compatible(shown, _read_schema(fs, path, shown), schema)
+                stored = pq.read_table(path, columns=["id", CONTENT_KEY], filesystem=fs)
+                self._stored = stored.column("id").to_pylist(), stored.column(CONTENT_KEY).to_pylist()
+                self.existing = dict(zip(*self._stored))
             if parent:
                 fs.makedirs(parent, exist_ok=True)
+            for leftover in fs.glob(posixpath.join(parent, f".{base}.*.tmp")):  # from a killed run
+                fs.rm(leftover)
             self._sink = _RowGroups(fs, self._tmp, schema)
+        self._written: list[pa.RecordBatch] = []  # id and content_key of the new rows
 
     def write(self, batch: pa.RecordBatch) -> None:
-        self._check_open()
         _check_batch(batch, self._schema)
         with _io_errors(self._shown):
             self._sink.write(batch)
-        self._rows += batch.num_rows
+        self._written.append(batch.select(["id", CONTENT_KEY]))
 
-    def commit(self) -> int:
-        self._check_open()
+    def finish(self, source: dict[str, str], prune: bool) -> int:
+        survivors = _Survivors(source, prune)
+        for batch in self._written:  # the new rows come first and stay
+            survivors.mask(batch.column("id").to_pylist(), batch.column(CONTENT_KEY).to_pylist())
+        stays = survivors.mask(*self._stored)
+        if self._old and not self._written and all(stays):  # nothing to change: leave the file as it is
+            self.abort()
+            return 0
         with _io_errors(self._shown):
+            if self._old:
+                with self._fs.open(self._path, "rb") as handle:
+                    start = 0
+                    for batch in pq.ParquetFile(handle).iter_batches():
+                        self._sink.write(batch.filter(pa.array(stays[start:start + batch.num_rows])))
+                        start += batch.num_rows
             self._sink.close()
             self._fs.mv(self._tmp, self._path)
         self._closed = True
-        return self._rows
+        return len(survivors.pruned)
 
     def abort(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._sink.discard()
-        _remove_quietly(self._fs, self._tmp, recursive=True)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"the writer for {self._shown} is already committed or aborted")
-
-
-class _ParquetDirWriter:
-    """Writes part files into a hidden subdirectory and moves them into the output directory at commit.
-
-    The table is the set of *.parquet files directly in the directory; other files are left alone.
-    """
-
-    def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema, mode: Mode) -> None:
-        self._shown, self._fs, self._path, self._schema = shown, fs, path, schema
-        with _io_errors(shown):
-            self._created = not fs.exists(path)
-            self._old = [] if self._created else sorted(p for p in fs.ls(path, detail=False) if p.endswith(".parquet"))
-        if self._old and mode == "create":
-            raise UserError(_exists(shown))
-        if self._old and mode == "append":
-            _check_append(shown, _read_schema(fs, self._old[0], shown), schema)
-        self._replace = mode == "overwrite"
-        # New parts number on from the old ones so that they never take an old part's name.
-        numbers = [int(m.group(1)) for p in self._old if (m := _PART_NAME.search(p))]
-        self._next_part = max(numbers, default=-1) + 1
-        self._tmp_dir = posixpath.join(path, f".tmp-{uuid.uuid4().hex[:12]}")
-        self._parts: list[str] = []
-        self._sink: _RowGroups | None = None
-        self._rows = 0
-        self._closed = False
-        with _io_errors(shown):
-            fs.makedirs(self._tmp_dir, exist_ok=True)
-
-    def write(self, batch: pa.RecordBatch) -> None:
-        self._check_open()
-        _check_batch(batch, self._schema)
-        with _io_errors(self._shown):
-            if self._sink is None:
-                name = f"part-{self._next_part + len(self._parts):05d}.parquet"
-                self._parts.append(name)
-                self._sink = _RowGroups(self._fs, posixpath.join(self._tmp_dir, name), self._schema)
-            self._sink.write(batch)
-            if self._sink.nbytes >= _PART_BYTES:
-                self._sink.close()
-                self._sink = None
-        self._rows += batch.num_rows
-
-    def commit(self) -> int:
-        self._check_open()
-        with _io_errors(self._shown):
-            if self._sink is not None:
-                self._sink.close()
-                self._sink = None
-            moved = []
-            try:
-                for name in self._parts:
-                    self._fs.mv(posixpath.join(self._tmp_dir, name), posixpath.join(self._path, name))
-                    moved.append(name)
-            except BaseException:
-                # Leave the directory as it was: take back the parts that already moved in.
-                for name in moved:
-                    _remove_quietly(self._fs, posixpath.join(self._path, name), recursive=False)
-                raise
-            if self._replace and self._old:
-                self._fs.rm(self._old)
-            self._fs.rm(self._tmp_dir, recursive=True)
-        self._closed = True
-        return self._rows
-
-    def abort(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._sink is not None:
-            self._sink.discard()
-        _remove_quietly(self._fs, self._tmp_dir, recursive=True)
-        if self._created:
-            _remove_quietly(self._fs, self._path, recursive=False)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"the writer for {self._shown} is already committed or aborted")
+        try:
+            self._fs.rm(self._tmp)
+        except OSError:
+            pass  # abort is best effort: it runs while another error is already on its way to the user
 
 
 class _RowGroups:
@@ -321,12 +391,10 @@ class _RowGroups:
         self._schema = schema
         self._pending: list[pa.RecordBatch] = []
         self._pending_bytes = 0
-        self.nbytes = 0
 
     def write(self, batch: pa.RecordBatch) -> None:
         self._pending.append(batch)
         self._pending_bytes += batch.nbytes
-        self.nbytes += batch.nbytes
         if self._pending_bytes >= _ROW_GROUP_BYTES:
             self._flush()
 
@@ -347,27 +415,36 @@ class _RowGroups:
             self._pending, self._pending_bytes = [], 0
 
 
-def _check_append(shown: str, old: pa.Schema, new: pa.Schema) -> None:
-    if "vector" not in old.names or not pa.types.is_fixed_size_list(old.field("vector").type):
-        raise UserError(f"cannot append to {shown}: it has no vector column; write to a new output")
-    old_dim, new_dim = old.field("vector").type.list_size, new.field("vector").type.list_size
-    if old_dim != new_dim:
-        raise UserError(
-            f"cannot append to {shown}: its vectors have {old_dim} dimensions and this run's have {new_dim}; "
-            "pass --overwrite to replace it or write to a new output"
-        )
+def _replace(fs: fsspec.AbstractFileSystem, path: str, table: pa.Table) -> None:
+    """Write table to path atomically: under a hidden temporary name, then renamed onto path."""
+    parent, base = posixpath.split(path)
+    tmp = posixpath.join(parent, f"{_TMP}{base}")
+    pq.write_table(table, tmp, filesystem=fs)
+    fs.mv(tmp, path)
+
+
+def _part_number(path: str) -> int:
+    match = _PART_NAME.search(path)
+    return int(match.group(1)) if match else -1
+
+
+def _incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
+    """Why rows with schema new cannot join a table with schema old, or None when they can."""
+    if CONTENT_KEY not in old.names:
+        return f"it has no {CONTENT_KEY} column (it was not made by this version of embedctl)"
     old_meta, new_meta = _embedctl_metadata(old), _embedctl_metadata(new)
     for key in sorted(old_meta.keys() | new_meta.keys()):
         if old_meta.get(key) != new_meta.get(key):
-            raise UserError(
-                f"cannot append to {shown}: its {key} is {old_meta.get(key)!r} but this run's is "
-                f"{new_meta.get(key)!r}; pass --overwrite to replace it or write to a new output"
-            )
+            name = key.removeprefix("embedctl.")
+            return f"it was embedded with {name} {old_meta.get(key)!r} and this run's {name} is {new_meta.get(key)!r}"
     if not old.remove_metadata().equals(new.remove_metadata()):
-        raise UserError(
-            f"cannot append to {shown}: its columns are ({_columns(old)}) but this run writes ({_columns(new)}); "
-            "use the same --keep columns or write to a new output"
-        )
+        return f"its columns are ({_columns(old)}) but this run writes ({_columns(new)})"
+    return None
+
+
+def _check_compatible(shown: str, old: pa.Schema, new: pa.Schema) -> None:
+    if (why := _incompatibility(old, new)) is not None:
+        raise UserError(f"cannot update {shown}: {why}; pass --rebuild to re-embed it all, or write to a new output")
 
 
 def _embedctl_metadata(schema: pa.Schema) -> dict[str, str]:
@@ -393,13 +470,9 @@ def _read_schema(fs: fsspec.AbstractFileSystem, path: str, shown: str) -> pa.Sch
         return pq.read_schema(path, filesystem=fs)
     except (pa.ArrowException, OSError) as e:
         raise UserError(
-            f"cannot append to {shown}: {posixpath.basename(path)} is not a readable Parquet file ({short_reason(e)}); "
-            "repair or remove it, or pass --overwrite"
+            f"cannot update {shown}: {posixpath.basename(path)} is not a readable Parquet file ({short_reason(e)}); "
+            "repair or remove it, or pass --rebuild"
         ) from None
-
-
-def _exists(shown: str) -> str:
-    return f"{shown} already exists; pass --overwrite to replace it or --append to add to it"
 
 
 @contextmanager
@@ -409,13 +482,3 @@ def _io_errors(shown: str) -> Iterator[None]:
         yield
     except OSError as e:
         raise UserError(f"cannot write {shown} ({short_reason(e)}); check free space and permissions") from None
-
-
-def _remove_quietly(fs: fsspec.AbstractFileSystem, path: str, recursive: bool = False) -> None:
-    try:
-        if recursive:
-            fs.rm(path, recursive=True)
-        else:
-            fs.rmdir(path)
-    except OSError:
-        pass  # abort is best effort: it runs while another error is already on its way to the user

@@ -113,50 +113,53 @@ def _long_text_refused(tmp: Path) -> tuple[list, list[str]]:
     return ["docs", "--on-long", "error"], [where, f"longer than the model's {MAX_LENGTH} tokens", "--on-long truncate"]
 
 
-def _overwrite_and_append(tmp: Path) -> tuple[list, list[str]]:
+def _old_overwrite_flag(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
-    return ["docs.jsonl", "--overwrite", "--append"], ["--overwrite and --append", "pass one of them"]
+    return ["docs.jsonl", "--overwrite"], ["--overwrite is gone", "drop the flag", "--rebuild"]
 
 
-def _lance_table(tmp: Path, dim: int = 384) -> None:
-    """x.lance shaped like an embedctl output, made with lancedb alone."""
-    schema = pa.schema([pa.field("id", pa.string()), pa.field("vector", pa.list_(pa.float32(), dim)),
-                        pa.field("n_tokens", pa.int32()), pa.field("truncated", pa.bool_())],
-                       metadata={"embedctl.dim": str(dim)})
-    rows = pa.table({"id": ["old"], "vector": [[0.5] * dim], "n_tokens": [3], "truncated": [False]}, schema=schema)
-    lancedb.connect(tmp).create_table("x", data=rows)
+def _lance_table(tmp: Path, dim: int = 384, content_key: bool = True) -> None:
+    """x.lance shaped like an embedctl output (or, without content_key, an older one), made with lancedb alone."""
+    columns = {"id": (pa.string(), "old"), "vector": (pa.list_(pa.float32(), dim), [0.5] * dim),
+               "n_tokens": (pa.int32(), 3), "truncated": (pa.bool_(), False), "content_key": (pa.string(), "k")}
+    if not content_key:
+        del columns["content_key"]
+    schema = pa.schema([pa.field(name, kind) for name, (kind, _) in columns.items()], metadata={"embedctl.dim": str(dim)})
+    lancedb.connect(tmp).create_table("x", data=pa.table({name: [value] for name, (_, value) in columns.items()},
+                                                         schema=schema))
 
 
-def _existing_lance(tmp: Path) -> tuple[list, list[str]]:
-    _lance_table(tmp)
+def _existing_lance_without_keys(tmp: Path) -> tuple[list, list[str]]:
+    _lance_table(tmp, content_key=False)
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
-    return ["docs.jsonl"], ["x.lance already exists", "--overwrite", "--append"]
+    return ["docs.jsonl"], ["cannot update x.lance", "no content_key column", "--rebuild"]
 
 
 def _existing_parquet(tmp: Path) -> tuple[list, list[str]]:
     pq.write_table(pa.table({"anything": [1, 2, 3]}), tmp / "x.parquet")
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
-    return ["docs.jsonl"], ["x.parquet already exists", "--overwrite"]
+    return ["docs.jsonl"], ["cannot update x.parquet", "no content_key column", "--rebuild"]
 
 
-def _append_other_dim(tmp: Path) -> tuple[list, list[str]]:
+def _other_dim(tmp: Path) -> tuple[list, list[str]]:
     _lance_table(tmp)
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
-    return ["docs.jsonl", "--append", "--dim", "128"], ["x.lance", "384 dimensions", "128", "--overwrite"]
+    return ["docs.jsonl", "--dim", "128"], ["x.lance", "dim '384'", "'128'", "--rebuild"]
 
 
-def _failed_overwrite(tmp: Path) -> tuple[list, list[str]]:
+def _failed_rebuild(tmp: Path) -> tuple[list, list[str]]:
     _lance_table(tmp)
     where = _bad_second_shard(tmp, "not json")
-    return ["docs", "--overwrite"], [where, "invalid JSON"]
+    return ["docs", "--rebuild"], [where, "invalid JSON"]
 
 
 # Each case with one kind of output; the cases that fail mid-stream cover all three kinds.
 BAD_INPUTS = [(_missing_path, "x.lance"), (_corrupt_parquet, "x.parquet"), (_malformed_json, "x.lance"),
               (_missing_text_jsonl, "x.parquet"), (_missing_text_parquet, "out/"), (_non_string_text, "out/"),
               (_model_missing_files, "x.lance"), (_duplicate_ids, "x.parquet"), (_empty_text_refused, "out/"),
-              (_long_text_refused, "x.lance"), (_overwrite_and_append, "x.parquet"), (_existing_lance, "x.lance"),
-              (_existing_parquet, "x.parquet"), (_append_other_dim, "x.lance"), (_failed_overwrite, "x.lance")]
+              (_long_text_refused, "x.lance"), (_old_overwrite_flag, "x.parquet"),
+              (_existing_lance_without_keys, "x.lance"), (_existing_parquet, "x.parquet"), (_other_dim, "x.lance"),
+              (_failed_rebuild, "x.lance")]
 
 
 @dataclass
@@ -229,7 +232,7 @@ def happy_runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     for result in run_side_by_side(jobs):
         assert result.returncode == 0, result.stderr
         summary = result.stderr.splitlines()
-        assert len(summary) == 1 and " rows, " in summary[0] and "tokens/s" in summary[0], result.stderr
+        assert len(summary) == 1 and " rows: " in summary[0] and "tokens/s" in summary[0], result.stderr
     return work
 
 
@@ -279,7 +282,7 @@ def test_metadata_records_the_model(indexed: tuple[Path, str]) -> None:
     weights = hashlib.sha256((resolve_model(None).path / "model.safetensors").read_bytes()).hexdigest()
     assert metadata == {"embedctl.model": "sentence-transformers/all-MiniLM-L6-v2",
                         "embedctl.weights_sha256": weights, "embedctl.dim": "384", "embedctl.pooling": "mean",
-                        "embedctl.normalize": "true", "embedctl.max_length": str(MAX_LENGTH)}
+                        "embedctl.normalize": "true", "embedctl.max_length": str(MAX_LENGTH), "embedctl.prompt": ""}
 
 
 @pytest.fixture(scope="module")
@@ -327,15 +330,15 @@ def lance_ids(work: Path) -> list[str]:
     return lancedb.connect(work).open_table("x").to_arrow().column("id").to_pylist()
 
 
-def test_overwrite_replaces(existing: Path) -> None:
-    result = embedctl_index("extra.jsonl", "--out", "x.lance", "--keep", "source", "--overwrite", "-q", cwd=existing)
+def test_rebuild_replaces(existing: Path) -> None:
+    result = embedctl_index("extra.jsonl", "--out", "x.lance", "--keep", "source", "--rebuild", "-q", cwd=existing)
     assert result.returncode == 0, result.stderr
     assert lance_ids(existing) == ["n1", "n2"]
 
 
-def test_append_adds_rows(existing: Path) -> None:
+def test_another_source_into_the_same_output_adds_its_rows(existing: Path) -> None:
     old = lance_ids(existing)
-    result = embedctl_index("extra.jsonl", "--out", "x.lance", "--keep", "source", "--append", "-q", cwd=existing)
+    result = embedctl_index("extra.jsonl", "--out", "x.lance", "--keep", "source", "-q", cwd=existing)
     assert result.returncode == 0, result.stderr
     assert lance_ids(existing) == [*old, "n1", "n2"]
 
@@ -358,5 +361,5 @@ def test_interrupt_exits_130_and_leaves_nothing(tmp_path: Path) -> None:
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr + stdout
-    assert stderr.splitlines() == ["interrupted; no output was changed"]
+    assert stderr.splitlines() == ["interrupted; the same command resumes from the last commit to x.parquet"]
     assert snapshot(tmp_path) == before

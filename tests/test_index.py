@@ -1,8 +1,10 @@
 """run_index in-process: the properties that need many small runs or a look inside the pipeline.
 
 Vectors are checked against embedctl.load().embed() (the engine packed differently), order across
-many chunks and engine batches, and what a failure leaves behind: no output, an existing output
-byte for byte as it was, and no pipeline thread still running.
+many chunks and engine batches, and what a failure leaves behind: before the first commit no output,
+or an existing output byte for byte as it was; after it the committed groups, which a re-run does
+not embed again; and never a pipeline thread still running. Kills and re-runs of the command line
+are in test_incremental.py.
 """
 
 from __future__ import annotations
@@ -172,12 +174,12 @@ def test_bad_line_far_in_leaves_no_output(tmp_path: Path, engine: Engine, tokeni
     assert not (tmp_path / out).exists()
 
 
-@pytest.mark.parametrize(("out", "mode"), [("x.lance", "overwrite"), ("x.lance", "append"), ("x.parquet", "overwrite"),
-                                           ("dir/", "overwrite"), ("dir/", "append")])
-def test_bad_line_far_in_leaves_an_existing_output_untouched(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer,
-                                                             bad_source: Path, out: str, mode: str) -> None:
+@pytest.mark.parametrize("out", OUTPUTS)
+@pytest.mark.parametrize("rebuild", [False, True])
+def test_bad_line_before_the_first_commit_leaves_an_existing_output_untouched(
+        tmp_path: Path, engine: Engine, tokenizer: TextTokenizer, bad_source: Path, out: str, rebuild: bool) -> None:
     existing = existing_output(engine, tokenizer, tmp_path, out)
-    options = IndexOptions(source=str(bad_source), out=existing, mode=mode, chunk_rows=7)
+    options = IndexOptions(source=str(bad_source), out=existing, rebuild=rebuild, chunk_rows=7)
     assert_failure_changes_nothing(tmp_path, lambda: run_index(engine, tokenizer, options),
                                    UserError, "bad.jsonl line 301")
     assert read_output(existing).column("id").to_pylist() == ["old"]
@@ -197,7 +199,7 @@ def test_interrupt_in_the_engine_loop_leaves_nothing(tmp_path: Path, engine: Eng
         return step(batch)
 
     monkeypatch.setattr(engine, "step", interrupted_step)
-    options = IndexOptions(source=str(source), out=existing, mode="overwrite", chunk_rows=7)
+    options = IndexOptions(source=str(source), out=existing, rebuild=True, chunk_rows=7)
     assert_failure_changes_nothing(tmp_path, lambda: run_index(engine, tokenizer, options), KeyboardInterrupt, None)
 
 
@@ -215,9 +217,53 @@ def test_error_in_the_writer_thread_reaches_the_caller(tmp_path: Path, engine: E
                                    RuntimeError, "progress display failed")
 
 
-def test_append_refuses_other_settings(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer) -> None:
+@pytest.mark.parametrize("out", ["x.lance", "dir/"])
+def test_a_failure_keeps_the_committed_groups_and_a_rerun_resumes_after_them(
+        tmp_path: Path, engine: Engine, tokenizer: TextTokenizer, bad_source: Path, out: str) -> None:
+    options = IndexOptions(source=str(bad_source), out=f"{tmp_path}/{out}", chunk_rows=7, commit_rows=50)
+    with pytest.raises(UserError, match="bad.jsonl line 301"):
+        run_index(engine, tokenizer, options)
+    committed = read_output(f"{tmp_path}/{out}").column("id").to_pylist()
+    assert committed == [row["id"] for row in GOOD[:len(committed)]] and len(committed) % 50 == 0 and committed
+
+    write_jsonl(bad_source, GOOD)  # the user fixes the line and runs the same command again
+    report = run_index(engine, tokenizer, options)
+    assert (report.unchanged, report.added) == (len(committed), len(GOOD) - len(committed))
+    assert sorted(read_output(f"{tmp_path}/{out}").column("id").to_pylist()) == sorted(row["id"] for row in GOOD)
+
+
+def test_other_settings_are_refused(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer) -> None:
     existing = existing_output(engine, tokenizer, tmp_path, "x.lance")
     other = Engine.load(None, EngineConfig(normalize=False))
-    options = IndexOptions(source=str(tmp_path / "small.jsonl"), out=existing, mode="append")
-    assert_failure_changes_nothing(tmp_path, lambda: run_index(other, tokenizer, options),
-                                   UserError, "normalize is 'true' but this run's is 'false'; pass --overwrite")
+    options = IndexOptions(source=str(tmp_path / "small.jsonl"), out=existing)
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(other, tokenizer, options), UserError,
+                                   "normalize 'true' and this run's normalize is 'false'; pass --rebuild")
+
+
+def test_the_prompt_goes_before_every_text_and_is_part_of_the_settings(
+        tmp_path: Path, engine: Engine, tokenizer: TextTokenizer, reference: embedctl.Embedder) -> None:
+    rows = [{"id": "a", "text": "first"}, {"id": "b", "text": "second"}]
+    source = write_jsonl(tmp_path / "p.jsonl", rows)
+    index(engine, tokenizer, source, f"{tmp_path}/x.lance", prompt="passage: ")
+    table = read_output(f"{tmp_path}/x.lance")
+    vectors = np.stack(table.column("vector").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(vectors, reference.embed(["passage: first", "passage: second"]), atol=1e-5)
+    options = IndexOptions(source=str(source), out=f"{tmp_path}/x.lance", prompt="query: ")
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(engine, tokenizer, options), UserError,
+                                   "prompt 'passage: ' and this run's prompt is 'query: '")
+
+
+def test_int8_model_writes_int8_vectors_equal_to_the_engine(tmp_path: Path) -> None:
+    from tests.test_qwen3 import save_random_qwen3
+
+    path = save_random_qwen3(tmp_path / "model", causal=False, pooling="mean", quantize=True)
+    engine = Engine.load(str(path), EngineConfig(device="cpu"))
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+    rows = [{"id": f"d{i}", "text": f"document number {i} about vectors"} for i in range(5)]
+    write_jsonl(tmp_path / "docs.jsonl", rows)
+    run_index(engine, tokenizer, IndexOptions(source=str(tmp_path / "docs.jsonl"), out=str(tmp_path / "out.parquet")))
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.schema.field("vector").type == pa.list_(pa.int8(), engine.dim)
+    assert table.schema.metadata[b"embedctl.quantization"] == b"int8"
+    stored = np.array(table.column("vector").to_pylist(), dtype=np.int8)
+    np.testing.assert_array_equal(stored, engine.embed(tokenizer.encode([r["text"] for r in rows]).ids))

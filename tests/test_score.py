@@ -151,6 +151,29 @@ def test_prompts_are_prepended_and_empty_documents_skipped(model: Embedder) -> N
     assert not np.allclose(np.sort(plain, axis=1)[:, ::-1], scores, atol=1e-3)
 
 
+def test_prompts_come_from_the_model_config_by_role_or_name(tmp_path: Path, minilm_dir: Path) -> None:
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(minilm_dir, model_dir)
+    (model_dir / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "Instruct: find code\nQuery: ", "document": "", "short": "q: "}, "default_prompt_name": None}))
+    model = embedctl.load(str(model_dir), device="cpu")
+    docs = [Chunk("docs.jsonl", ["a", "b"], ["first document", "second document"], [1, 2], None)]
+
+    def ranked(**prompts: str) -> np.ndarray:
+        options = ScoreOptions(queries="q.jsonl", docs="docs.jsonl", top_k=2, **prompts)
+        return rank(model.engine, model.tokenizer, Queries(["q"], ["a question"]), docs, options).scores
+
+    doc_vectors = model.embed(["first document", "second document"])
+    for expected_prompt, prompts in [("Instruct: find code\nQuery: ", {}), ("q: ", {"query_prompt_name": "short"}),
+                                     ("", {"query_prompt": ""})]:
+        expected = np.sort(model.embed([expected_prompt + "a question"]) @ doc_vectors.T, axis=1)[:, ::-1]
+        np.testing.assert_allclose(ranked(**prompts), expected, atol=1e-5)
+    with pytest.raises(UserError, match=r"has no prompt named 'long' \(it has: document, query, short\)"):
+        ranked(query_prompt_name="long")
+
+
 def test_jsonl_rows_to_stdout(sample_ranking: tuple[Queries, Ranking], capsys: pytest.CaptureFixture) -> None:
     queries, ranking = sample_ranking
     write_run(ranking, ScoreOptions(queries=str(QUERIES), docs=str(CORPUS)))

@@ -1,4 +1,5 @@
-"""Vector writers: round trips, refusal of existing outputs, atomic commit and abort, appends, search."""
+"""Vector stores: round trips, refusal of incompatible outputs, group commits, upserts and prunes,
+rebuilds swapped in at finish, what aborts and crashes leave, search, and where the lock file goes."""
 
 import os
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 from engine.errors import UserError
 from pipelines import writers
-from pipelines.writers import open_writer, output_schema
+from pipelines.writers import lock_file, open_store, output_schema
 
 DIM = 4
 META = {"embedctl.model": "test/model", "embedctl.weights_sha256": "abc", "embedctl.dim": str(DIM)}
@@ -24,26 +25,27 @@ def schema(meta=META, dim=DIM, kept=KEPT):
     return output_schema(dim, kept, dict(meta))
 
 
-def batch(ids, vectors=None, sch=None):
+def batch(ids, vectors=None, sch=None, keys=None):
     sch = sch or schema()
     dim = sch.field("vector").type.list_size
     if vectors is None:
         vectors = np.random.default_rng(len(ids)).random((len(ids), dim), dtype=np.float32)
     vectors = np.asarray(vectors, dtype=np.float32)
-    return pa.record_batch(
-        [
-            pa.array(ids, pa.string()),
-            pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), dim),
-            pa.array([3] * len(ids), pa.int32()),
-            pa.array([False] * len(ids)),
-            pa.array(["en"] * len(ids)),
-        ],
-        schema=sch.remove_metadata(),
-    )
+    columns = [
+        pa.array(ids, pa.string()),
+        pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), dim),
+        pa.array([3] * len(ids), pa.int32()),
+        pa.array([False] * len(ids)),
+        pa.array(keys or [f"k-{i}" for i in ids], pa.string()),
+    ]
+    if "lang" in sch.names:
+        columns.append(pa.array(["en"] * len(ids)))
+    return pa.record_batch(columns, schema=sch.remove_metadata())
 
 
-# Each output kind: how to name it, how to read it back, how to list its table's ids.
+# Each output kind: how to name it, how to read it back.
 OUTPUTS = ["file.parquet", "dir/", "vectors.lance", "db+table"]
+GROUPED = ["dir/", "vectors.lance", "db+table"]  # the kinds that commit in groups
 
 
 def spec(tmp_path, kind):
@@ -62,10 +64,14 @@ def read_back(tmp_path, kind) -> pa.Table:
     return lancedb.connect(str(tmp_path / "db")).open_table("vectors").to_arrow()
 
 
-def write(tmp_path, kind, ids, mode="create", sch=None):
-    writer = open_writer(**spec(tmp_path, kind), schema=sch or schema(), mode=mode)
-    writer.write(batch(ids, sch=sch))
-    return writer.commit()
+def ids_of(tmp_path, kind) -> list[str]:
+    return sorted(read_back(tmp_path, kind).column("id").to_pylist())
+
+
+def write(tmp_path, kind, ids, sch=None, **options):
+    store = open_store(**spec(tmp_path, kind), schema=sch or schema(), **options)
+    store.write(batch(ids, sch=sch))
+    return store.finish({i: f"k-{i}" for i in ids}, prune=False)
 
 
 def snapshot(root):
@@ -81,11 +87,11 @@ def snapshot(root):
 
 def test_output_schema():
     sch = schema()
-    assert sch.names == ["id", "vector", "n_tokens", "truncated", "lang"]
+    assert sch.names == ["id", "vector", "n_tokens", "truncated", "content_key", "lang"]
     assert sch.field("vector").type == pa.list_(pa.float32(), DIM)
     assert sch.field("n_tokens").type == pa.int32() and sch.field("truncated").type == pa.bool_()
     assert {k.decode(): v.decode() for k, v in sch.metadata.items()} == META
-    assert output_schema(8, None, {}).names == ["id", "vector", "n_tokens", "truncated"]
+    assert output_schema(8, None, {}).names == ["id", "vector", "n_tokens", "truncated", "content_key"]
     with pytest.raises(UserError, match="--keep id: the output already has an? 'id' column"):
         output_schema(DIM, pa.schema([("id", pa.string())]), {})
 
@@ -93,54 +99,68 @@ def test_output_schema():
 @pytest.mark.parametrize("kind", OUTPUTS)
 def test_round_trip_keeps_rows_vectors_and_metadata(tmp_path, kind):
     vectors = np.arange(12, dtype=np.float32).reshape(3, DIM)
-    writer = open_writer(**spec(tmp_path, kind), schema=schema())
-    writer.write(batch(["a", "b"], vectors[:2]))
-    writer.write(batch(["c"], vectors[2:]))
-    assert writer.commit() == 3
+    store = open_store(**spec(tmp_path, kind), schema=schema())
+    assert store.existing == {}
+    store.write(batch(["a", "b"], vectors[:2]))
+    store.write(batch(["c"], vectors[2:]))
+    assert store.finish({"a": "k-a", "b": "k-b", "c": "k-c"}, prune=False) == 0
     table = read_back(tmp_path, kind)
     assert table.column("id").to_pylist() == ["a", "b", "c"]
     assert np.array_equal(np.stack(table.column("vector").to_numpy(zero_copy_only=False)), vectors)
     assert table.column("lang").to_pylist() == ["en"] * 3
+    assert table.column("content_key").to_pylist() == ["k-a", "k-b", "k-c"]
     assert table.schema.field("vector").type == pa.list_(pa.float32(), DIM)
     assert {k: table.schema.metadata[k.encode()].decode() for k in META} == META
+    assert open_store(**spec(tmp_path, kind), schema=schema()).existing == {"a": "k-a", "b": "k-b", "c": "k-c"}
 
 
 def test_lance_path_relative_to_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    writer = open_writer("vectors.lance", schema())
-    writer.write(batch(["a", "b"]))
-    writer.commit()
+    write(tmp_path, "vectors.lance", ["a", "b"])
     assert os.path.isdir("vectors.lance")
     assert lancedb.connect(".").open_table("vectors").count_rows() == 2
 
 
-def test_lancedb_search_finds_the_nearest_vector(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    vectors = np.eye(DIM, dtype=np.float32)
-    writer = open_writer("vectors.lance", schema())
-    writer.write(batch(["x", "y", "z", "w"], vectors))
-    writer.commit()
-    hits = lancedb.connect(".").open_table("vectors").search(np.array([0.1, 0.9, 0.2, 0.0])).limit(3).to_list()
+def test_lancedb_search_finds_the_nearest_vector(tmp_path):
+    store = open_store(str(tmp_path / "vectors.lance"), schema())
+    store.write(batch(["x", "y", "z", "w"], np.eye(DIM, dtype=np.float32)))
+    store.finish({}, prune=False)
+    hits = lancedb.connect(str(tmp_path)).open_table("vectors").search(np.array([0.1, 0.9, 0.2, 0.0])).limit(3).to_list()
     assert len(hits) == 3
     assert hits[0]["id"] == "y"
     assert hits[0]["lang"] == "en"
 
 
 @pytest.mark.parametrize("kind", OUTPUTS)
-def test_existing_output_is_refused_and_left_byte_identical(tmp_path, kind):
+def test_other_settings_or_columns_are_refused_and_leave_the_output_byte_identical(tmp_path, kind):
     write(tmp_path, kind, ["a"])
     before = snapshot(tmp_path)
-    with pytest.raises(UserError) as info:
-        open_writer(**spec(tmp_path, kind), schema=schema())
-    assert str(info.value).endswith("already exists; pass --overwrite to replace it or --append to add to it")
+    with pytest.raises(UserError, match="cannot update .*: it was embedded with weights_sha256 'abc' and this run's "
+                                        "weights_sha256 is 'def'; pass --rebuild to re-embed it all"):
+        open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.weights_sha256": "def"}))
+    with pytest.raises(UserError, match="pooling None and this run's pooling is 'cls'"):
+        open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.pooling": "cls"}))
+    with pytest.raises(UserError, match="dim '4' and this run's dim is '8'"):
+        open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.dim": "8"}, dim=8))
+    with pytest.raises(UserError, match="its columns are .* but this run writes"):
+        open_store(**spec(tmp_path, kind), schema=schema(kept=None))
+    # the model's spelling is not compared: the same weights under another name
+    open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.model": "/models/the-same-files"})).abort()
     assert snapshot(tmp_path) == before
 
 
+def test_an_output_without_content_keys_is_refused(tmp_path):
+    sch = schema().remove(schema().get_field_index("content_key"))
+    lancedb.connect(str(tmp_path)).create_table("vectors", schema=sch)
+    with pytest.raises(UserError, match="it has no content_key column .*; pass --rebuild"):
+        open_store(str(tmp_path / "vectors.lance"), schema())
+
+
 @pytest.mark.parametrize("kind", OUTPUTS)
-def test_abort_leaves_no_output(tmp_path, kind):
-    writer = open_writer(**spec(tmp_path, kind), schema=schema())
-    writer.write(batch(["a", "b"]))
-    writer.abort()
+def test_abort_before_the_first_commit_leaves_no_output(tmp_path, kind):
+    store = open_store(**spec(tmp_path, kind), schema=schema())
+    store.write(batch(["a", "b"]))
+    store.abort()
     assert snapshot(tmp_path) == {}
     leftovers = sorted(os.listdir(tmp_path))
     if kind == "db+table":
@@ -149,135 +169,115 @@ def test_abort_leaves_no_output(tmp_path, kind):
         assert leftovers == []
 
 
+@pytest.mark.parametrize("kind", GROUPED)
+def test_groups_commit_as_they_fill_and_stay_through_an_abort(tmp_path, kind):
+    store = open_store(**spec(tmp_path, kind), schema=schema(), commit_rows=2)
+    store.write(batch(["a"]))
+    store.write(batch(["b", "c", "d", "e"]))  # split across groups: a+b, c+d, and e waiting
+    assert ids_of(tmp_path, kind) == ["a", "b", "c", "d"]
+    store.abort()
+    assert ids_of(tmp_path, kind) == ["a", "b", "c", "d"]
+    assert open_store(**spec(tmp_path, kind), schema=schema()).existing == {i: f"k-{i}" for i in "abcd"}
+
+
 @pytest.mark.parametrize("kind", OUTPUTS)
-def test_overwrite_replaces_only_at_commit_and_abort_keeps_the_old_output(tmp_path, kind):
+@pytest.mark.parametrize("prune", [False, True])
+def test_changed_ids_are_updated_new_ones_added_and_pruned_ones_deleted(tmp_path, kind, prune):
+    write(tmp_path, kind, ["a", "b", "c"])
+    store = open_store(**spec(tmp_path, kind), schema=schema(), commit_rows=1)
+    store.write(batch(["b", "d"], np.full((2, DIM), 7, np.float32), keys=["k-b2", "k-d"]))
+    assert store.finish({"a": "k-a", "b": "k-b2", "d": "k-d"}, prune) == (1 if prune else 0)
+    table = read_back(tmp_path, kind).sort_by("id")
+    assert table.column("id").to_pylist() == (["a", "b", "d"] if prune else ["a", "b", "c", "d"])
+    rows = {row["id"]: row for row in table.to_pylist()}
+    assert rows["b"]["content_key"] == "k-b2" and rows["b"]["vector"] == [7.0] * DIM
+    assert rows["a"]["content_key"] == "k-a"
+
+
+def test_parquet_dir_keeps_one_copy_per_id_after_a_kill_between_commit_and_cleanup(tmp_path):
+    write(tmp_path, "dir/", ["a", "b"])  # part-00000: a and b, both with their old keys
+    store = open_store(str(tmp_path / "dir"), schema(), commit_rows=1)
+    store.write(batch(["b"], keys=["k-b2"]))  # part-00001 commits; the kill comes before finish
+    store = open_store(str(tmp_path / "dir"), schema())
+    assert store.existing == {"a": "k-a", "b": "k-b2"}  # the newest copy counts
+    store.finish({"a": "k-a", "b": "k-b2"}, prune=False)
+    table = read_back(tmp_path, "dir/").sort_by("id")
+    assert table.column("id").to_pylist() == ["a", "b"]
+    assert table.column("content_key").to_pylist() == ["k-a", "k-b2"]
+
+
+@pytest.mark.parametrize("kind", OUTPUTS)
+def test_rebuild_replaces_only_at_finish_and_resumes_after_an_abort(tmp_path, kind):
     write(tmp_path, kind, ["old1", "old2"])
     before = snapshot(tmp_path)
+    other = schema(META | {"embedctl.weights_sha256": "new"})
 
-    writer = open_writer(**spec(tmp_path, kind), schema=schema(), mode="overwrite")
-    writer.write(batch(["new1"]))
-    assert read_back(tmp_path, kind).column("id").to_pylist() == ["old1", "old2"]
-    writer.abort()
-    assert snapshot(tmp_path) == before
-    assert read_back(tmp_path, kind).column("id").to_pylist() == ["old1", "old2"]
+    store = open_store(**spec(tmp_path, kind), schema=other, rebuild=True, commit_rows=1)
+    assert store.existing == {}
+    store.write(batch(["new1"], sch=other))
+    assert ids_of(tmp_path, kind) == ["old1", "old2"]
+    store.abort()
+    assert ids_of(tmp_path, kind) == ["old1", "old2"]
+    if kind == "file.parquet":
+        assert snapshot(tmp_path) == before
+    else:  # the staged group waits for the next rebuild
+        assert open_store(**spec(tmp_path, kind), schema=other, rebuild=True).existing == {"new1": "k-new1"}
 
-    writer = open_writer(**spec(tmp_path, kind), schema=schema(), mode="overwrite")
-    writer.write(batch(["new1"]))
-    assert read_back(tmp_path, kind).column("id").to_pylist() == ["old1", "old2"]
-    writer.commit()
-    assert read_back(tmp_path, kind).column("id").to_pylist() == ["new1"]
-
-
-@pytest.mark.parametrize("kind", ["vectors.lance", "db+table"])
-def test_lance_failure_in_the_writer_thread_reaches_the_caller_and_commits_nothing(tmp_path, kind):
-    bad = batch(["nan"], [[np.nan] * DIM])  # Lance refuses NaN vectors by default
-
-    writer = open_writer(**spec(tmp_path, kind), schema=schema())
-    writer.write(batch(["a"]))
-    with pytest.raises(Exception, match="(?i)nan"):
-        writer.write(bad)
-        writer.commit()
-    writer.abort()
-    db = lancedb.connect(str(tmp_path / "db") if kind == "db+table" else str(tmp_path))
-    assert db.list_tables().tables == []
-    assert not (tmp_path / "vectors.lance").exists() and not (tmp_path / "db" / "vectors.lance").exists()
-
-    write(tmp_path, kind, ["old"])
-    writer = open_writer(**spec(tmp_path, kind), schema=schema(), mode="overwrite")
-    writer.write(batch(["b"]))
-    with pytest.raises(Exception, match="(?i)nan"):
-        writer.write(bad)
-        writer.commit()
-    assert read_back(tmp_path, kind).column("id").to_pylist() == ["old"]
+    store = open_store(**spec(tmp_path, kind), schema=other, rebuild=True)
+    store.write(batch([i for i in ("new1", "new2") if i not in store.existing], sch=other))  # as index does
+    store.finish({"new1": "k-new1", "new2": "k-new2"}, prune=False)
+    table = read_back(tmp_path, kind)
+    assert sorted(table.column("id").to_pylist()) == ["new1", "new2"]
+    assert table.schema.metadata[b"embedctl.weights_sha256"] == b"new"
+    hidden = [name for name in os.listdir(tmp_path / ("db" if kind == "db+table" else "")) if name.startswith(".")]
+    assert hidden == [] and not (tmp_path / "dir" / ".rebuild").exists()
 
 
-def test_lance_abort_mid_stream_with_many_batches(tmp_path):
-    writer = open_writer(str(tmp_path / "vectors.lance"), schema())
-    for n in range(50):  # more batches than the queue holds, so the writer thread is busy
-        writer.write(batch([f"{n}-{i}" for i in range(100)]))
-    writer.abort()
-    assert not (tmp_path / "vectors.lance").exists()
-
-
-@pytest.mark.parametrize("kind", ["dir/", "vectors.lance", "db+table"])
-def test_append_adds_rows(tmp_path, kind):
-    write(tmp_path, kind, ["a", "b"])
-    # run-specific, not compared: the time, and the model's spelling (same weights, other name)
-    created = META | {"embedctl.created": "another day", "embedctl.model": "/models/the-same-files"}
-    assert write(tmp_path, kind, ["c"], mode="append", sch=schema(created)) == 1
-    assert sorted(read_back(tmp_path, kind).column("id").to_pylist()) == ["a", "b", "c"]
-
-
-@pytest.mark.parametrize("kind", ["dir/", "vectors.lance", "db+table"])
-def test_append_to_nothing_creates(tmp_path, kind):
-    write(tmp_path, kind, ["a"], mode="append")
-    assert read_back(tmp_path, kind).column("id").to_pylist() == ["a"]
-
-
-@pytest.mark.parametrize("kind", ["dir/", "vectors.lance", "db+table"])
-def test_append_refuses_other_weights_dim_or_columns(tmp_path, kind):
-    write(tmp_path, kind, ["a"])
-    before = snapshot(tmp_path)
-    other_weights = META | {"embedctl.weights_sha256": "def"}
-    with pytest.raises(UserError, match="its embedctl.weights_sha256 is 'abc' but this run's is 'def'"):
-        open_writer(**spec(tmp_path, kind), schema=schema(other_weights), mode="append")
-    with pytest.raises(UserError, match="its embedctl.pooling is None but this run's is 'cls'"):
-        open_writer(**spec(tmp_path, kind), schema=schema(META | {"embedctl.pooling": "cls"}), mode="append")
-    with pytest.raises(UserError, match="its vectors have 4 dimensions and this run's have 8"):
-        open_writer(**spec(tmp_path, kind), schema=schema(META | {"embedctl.dim": "8"}, dim=8), mode="append")
-    with pytest.raises(UserError, match="its columns are"):
-        open_writer(**spec(tmp_path, kind), schema=schema(kept=None), mode="append")
-    assert snapshot(tmp_path) == before
-
-
-def test_append_to_a_single_parquet_file_is_refused(tmp_path):
-    write(tmp_path, "file.parquet", ["a"])
-    with pytest.raises(UserError, match="cannot append to the single Parquet file .*directory"):
-        open_writer(str(tmp_path / "file.parquet"), schema(), mode="append")
+def test_a_failed_lance_commit_reaches_the_caller_and_changes_nothing(tmp_path):
+    write(tmp_path, "vectors.lance", ["old"])
+    store = open_store(str(tmp_path / "vectors.lance"), schema(), commit_rows=1)
+    with pytest.raises(ValueError, match="(?i)nan"):  # Lance refuses NaN vectors
+        store.write(batch(["nan"], [[np.nan] * DIM]))
+    store.abort()
+    assert ids_of(tmp_path, "vectors.lance") == ["old"]
 
 
 def test_unknown_output_name(tmp_path):
     with pytest.raises(UserError, match=r"cannot tell what kind of output .*vectors\.csv.*\.lance.*\.parquet"):
-        open_writer(str(tmp_path / "vectors.csv"), schema())
+        open_store(str(tmp_path / "vectors.csv"), schema())
 
 
-def test_parquet_directory_rolls_parts_and_hides_them_until_commit(tmp_path, monkeypatch):
-    monkeypatch.setattr(writers, "_PART_BYTES", 1)  # one part per batch
-    monkeypatch.setattr(writers, "_ROW_GROUP_BYTES", 1)
-    write(tmp_path, "dir/", ["old"])
-    (tmp_path / "dir" / "_notes.txt").write_text("not part of the table")
+def test_commit_rows_must_be_positive(tmp_path):
+    with pytest.raises(UserError, match="--commit-rows 0: give a positive number"):
+        open_store(str(tmp_path / "vectors.lance"), schema(), commit_rows=0)
 
-    writer = open_writer(str(tmp_path / "dir"), schema(), mode="overwrite")  # an existing directory, no slash
-    for n in range(3):
-        writer.write(batch([f"n{n}"]))
-    assert pq.read_table(tmp_path / "dir").column("id").to_pylist() == ["old"]
-    writer.commit()
-    parts = ["part-00001.parquet", "part-00002.parquet", "part-00003.parquet"]
-    assert sorted(os.listdir(tmp_path / "dir")) == ["_notes.txt", *parts]
-    assert pq.read_table(tmp_path / "dir").column("id").to_pylist() == ["n0", "n1", "n2"]
+
+def test_an_unchanged_parquet_file_is_not_rewritten(tmp_path):
+    write(tmp_path, "file.parquet", ["a"])
+    before = snapshot(tmp_path)
+    assert open_store(str(tmp_path / "file.parquet"), schema()).finish({"a": "k-a"}, prune=True) == 0
+    assert snapshot(tmp_path) == before
 
 
 def test_parquet_row_groups_gather_small_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(writers, "_ROW_GROUP_BYTES", 3 * batch(["a"]).nbytes)
-    writer = open_writer(str(tmp_path / "file.parquet"), schema())
+    store = open_store(str(tmp_path / "file.parquet"), schema())
     for n in range(7):
-        writer.write(batch([f"r{n}"]))
+        store.write(batch([f"r{n}"]))
     assert os.listdir(tmp_path) != ["file.parquet"]  # still under a temporary name
-    writer.commit()
+    store.finish({}, prune=False)
     assert os.listdir(tmp_path) == ["file.parquet"]
     meta = pq.ParquetFile(tmp_path / "file.parquet").metadata
     assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [3, 3, 1]
 
 
-def test_writers_take_no_batches_after_commit(tmp_path):
-    for kind in OUTPUTS:
-        writer = open_writer(**spec(tmp_path, kind), schema=schema())
-        writer.commit()
-        assert read_back(tmp_path, kind).num_rows == 0
-        with pytest.raises(RuntimeError, match="already committed or aborted"):
-            writer.write(batch(["late"]))
-        writer.abort()  # after a commit, abort changes nothing
-        assert read_back(tmp_path, kind).num_rows == 0
+def test_lock_file_sits_hidden_beside_the_output():
+    assert lock_file("out/vectors.lance") == "out/.vectors.lance.lock"
+    assert lock_file("vectors.lance") == ".vectors.lance.lock"
+    assert lock_file("db", table="vectors") == "db/.vectors.lance.lock"
+    assert lock_file("parts/") == ".parts.lock"
+    assert lock_file("file:///data/x.parquet") == "/data/.x.parquet.lock"
+    assert lock_file("s3://bucket/x.lance") is None
 
 
 def test_a_crash_mid_write_leaves_old_outputs_intact_and_no_new_ones(tmp_path):
@@ -286,21 +286,22 @@ def test_a_crash_mid_write_leaves_old_outputs_intact_and_no_new_ones(tmp_path):
     script = textwrap.dedent(f"""
         import os, pathlib, sys
         sys.path[:0] = [{os.getcwd()!r}, {os.path.dirname(__file__)!r}]
-        from test_writers import OUTPUTS, batch, open_writer, schema, spec
+        from test_writers import OUTPUTS, batch, open_store, schema, spec
         tmp = pathlib.Path({str(tmp_path)!r})
-        started = [open_writer(**spec(tmp / "new", kind), schema=schema()) for kind in OUTPUTS]
-        started += [open_writer(**spec(tmp / "old", kind), schema=schema(), mode="overwrite") for kind in OUTPUTS]
+        other = schema({{**{META!r}, "embedctl.weights_sha256": "new"}})
+        started = [open_store(**spec(tmp / "new", kind), schema=schema()) for kind in OUTPUTS]
+        started += [open_store(**spec(tmp / "old", kind), schema=other, rebuild=True) for kind in OUTPUTS]
         for n in range(30):
-            for writer in started:
-                writer.write(batch([f"{{n}}-{{i}}" for i in range(100)]))
-        os._exit(1)  # no commit, no abort, no cleanup
+            for store, sch in zip(started, [schema()] * len(OUTPUTS) + [other] * len(OUTPUTS)):
+                store.write(batch([f"{{n}}-{{i}}" for i in range(100)], sch=sch))
+        os._exit(1)  # no finish, no abort, no cleanup
     """)
     assert subprocess.run([sys.executable, "-c", script], timeout=120).returncode == 1
     for kind in OUTPUTS:
         assert read_back(tmp_path / "old", kind).column("id").to_pylist() == ["old"]
     new = tmp_path / "new"
     assert not (new / "file.parquet").exists()
-    assert [p for p in os.listdir(new / "dir") if p.endswith(".parquet")] == []
+    assert not (new / "dir").exists()
     for db in (new, new / "db"):
         with pytest.raises(ValueError, match="not found"):
             lancedb.connect(str(db)).open_table("vectors")

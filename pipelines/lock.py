@@ -1,0 +1,71 @@
+"""One run at a time per output: an exclusive fcntl.flock on a small file beside the output.
+
+The kernel releases a flock when its holder dies, however it dies, so the lock of a killed run is
+stale by construction and the next run simply takes it: there is no timeout to tune and no pid to
+probe. The file records the holder's pid, host and start time for the message a refused run prints,
+and is removed when the holder finishes. It guards local paths only (flock does not reach across
+machines); remote outputs are not locked.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from engine.errors import UserError
+
+
+class OutputLocked(UserError):
+    """Another live run holds the output."""
+
+
+@contextmanager
+def hold_lock(path: str | None, shown: str) -> Iterator[None]:
+    """Hold the lock file at path for the block (nothing when path is None); raise OutputLocked if taken."""
+    if path is None:
+        yield
+        return
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    fd = _acquire(path, shown)
+    try:
+        os.ftruncate(fd, 0)
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.write(fd, json.dumps(holder).encode())
+        yield
+    finally:
+        os.unlink(path)  # before the unlock, so that a waiting run never locks a file about to vanish
+        os.close(fd)
+
+
+def _acquire(path: str, shown: str) -> int:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise OutputLocked(f"{shown} is being written by another embedctl run ({holder}); wait for it to "
+                               "finish, or write to another output") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the previous holder removed the file between our open and our lock: take the new one
+
+
+def _holder(fd: int) -> str:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0))
+        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "it has not said who it is yet"

@@ -3,14 +3,17 @@
 #   bench/run_on_gpu.sh "<pytest args>" "<bench module and args>" ["<bench module and args>" ...]
 # e.g. bench/run_on_gpu.sh "tests/test_gpu.py" "bench.gpu_rerank --corpus .bench-data/docstrings.parquet"
 # Each benchmark runs as `python3 -m MODULE ARGS --out $OUT/NAME` (NAME: the module's last part).
-# Installs .bundle/whl (flashinfer) when it was carried; MiniLM comes from .bundle/minilm and the
-# corpus from .bench-data/ (../shared/gpu/make-bundle.sh and a copy of ../shared/corpus).
+# Installs .bundle/whl (flashinfer) and .whl (the serving stack, which the GPU machine lacks: pip download
+# fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn httptools for
+# cp312 manylinux) when carried; MiniLM comes from .bundle/minilm and the corpus from .bench-data/
+# (../shared/gpu/make-bundle.sh and a copy of ../shared/corpus).
 set -uo pipefail
 out=${OUT:-bench-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 EMBEDCTL_TEST_MODEL=${EMBEDCTL_TEST_MODEL:-.bundle/minilm}
-if [ -d .bundle/whl ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .bundle/whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+wheels=$(ls .bundle/whl/*.whl .whl/*.whl 2>/dev/null)  # flashinfer; fastapi, uvicorn and pydantic (.whl/)
+if [ -n "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site $wheels && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 { date -u; cat COMMIT 2>/dev/null || git rev-parse --short HEAD; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$out/machine.txt"

@@ -9,3 +9,4 @@ git archive HEAD | tar -x -C .snap
 git rev-parse --short HEAD > .snap/COMMIT
 ln -s ../.bundle .snap/.bundle
 ln -s ../.bench-data .snap/.bench-data
+ln -s ../.whl .snap/.whl

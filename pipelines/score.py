@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from engine import Engine, PackedBatch
@@ -143,19 +144,22 @@ class StoredVectors:
 
     def __init__(self, path: str, text_col: str) -> None:
         self.path, self.text_col = path, text_col
+        self._table = self._dataset = None
         try:
             if path.rstrip("/").endswith(".lance"):
-                import lance
+                import lancedb  # here, not at the top: Parquet tables work where lancedb is not installed
 
-                self._dataset = lance.dataset(path)
+                db, _, name = path.rstrip("/").rpartition("/")
+                self._table = lancedb.connect(db or ".").open_table(name.removesuffix(".lance"))
+                schema = self._table.schema
             else:
                 import pyarrow.dataset
 
                 self._dataset = pyarrow.dataset.dataset(path, format="parquet")
+                schema = self._dataset.schema
         except (ValueError, OSError) as error:
             raise UserError(f"cannot open --index {path} ({short_reason(error)}); give a table written by "
                             "`embedctl index` (x.lance, x.parquet or a directory of parts)") from None
-        schema = self._dataset.schema
         if not {"id", "vector"} <= set(schema.names):
             raise UserError(f"--index {path} has no id and vector columns; give a table written by `embedctl index`")
         metadata = {key.decode(): value.decode() for key, value in (schema.metadata or {}).items()}
@@ -171,14 +175,19 @@ class StoredVectors:
                                 f"model has {value!r}; pass the --model (and --dim) it was built with")
 
     def chunks(self, rows: int) -> Iterator[tuple[list[str], np.ndarray]]:
-        for batch in self._dataset.to_batches(columns=["id", "vector"], batch_size=rows):
+        for batch in self._batches(["id", "vector"], rows):
             if batch.num_rows:
                 vectors = batch.column("vector").values.to_numpy(zero_copy_only=False)
                 yield batch.column("id").to_pylist(), vectors.reshape(batch.num_rows, -1)
 
+    def _batches(self, columns: list[str], rows: int) -> Iterator[pa.RecordBatch]:
+        if self._table is not None:
+            return iter(self._table.search().select(columns).limit(None).to_batches(rows))
+        return iter(self._dataset.to_batches(columns=columns, batch_size=rows))
+
     def texts(self, wanted: set[str]) -> dict[str, str]:
         found: dict[str, str] = {}
-        for batch in self._dataset.to_batches(columns=["id", self.text_col]):
+        for batch in self._batches(["id", self.text_col], 4096):
             for doc_id, text in zip(batch.column("id").to_pylist(), batch.column(self.text_col).to_pylist()):
                 if doc_id in wanted:
                     found[doc_id] = text

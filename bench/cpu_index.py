@@ -5,7 +5,7 @@ What it measures (issue 2's speed clause: embedctl index at least 1.3x the peer'
   temporary Parquet file that both sides read;
 - peer: pyarrow reads the Parquet file -> SentenceTransformer.encode() (fp32, batch_size 32, its
   defaults; the model's own Normalize module L2-normalises) -> a LanceDB table (id, vector);
-- ours: run_index(Engine.load(...), TextTokenizer(...), IndexOptions(...)) with default settings,
+- ours: run_index(IndexModel.loaded(Engine.load(...)), IndexOptions(...)) with default settings,
   the same calls `embedctl index INPUT --out OUT.lance` makes, in this process;
 - both load the same all-MiniLM-L6-v2 directory on the CPU with torch's default thread count. Model
   loading, plus one untimed warm-up run of each on a few documents (first-call allocations, lazy
@@ -46,8 +46,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.checkpoint import resolve_model
-from pipelines.index import IndexOptions, run_index
-from pipelines.tokenize import TextTokenizer
+from pipelines.index import IndexModel, IndexOptions, run_index
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -128,14 +127,12 @@ def run_peer(model, source: Path, out: Path) -> None:
 
 # --- ours: embedctl index, through the calls the CLI makes -------------------------------------------------
 
-def load_ours() -> tuple[Engine, TextTokenizer]:
-    engine = Engine.load(None, EngineConfig())
-    return engine, TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+def load_ours() -> IndexModel:
+    return IndexModel.loaded(Engine.load(None, EngineConfig()))
 
 
-def run_ours(loaded: tuple[Engine, TextTokenizer], source: Path, out: Path) -> None:
-    engine, tokenizer = loaded
-    run_index(engine, tokenizer, IndexOptions(source=str(source), out=str(out), rebuild=True))
+def run_ours(loaded: IndexModel, source: Path, out: Path) -> None:
+    run_index(loaded, IndexOptions(source=str(source), out=str(out), rebuild=True))
 
 
 # --- checks and the sweep ----------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import torch
 
 from engine import Engine, EngineConfig, PackedBatch
-from pipelines.index import IndexOptions, run_index
+from pipelines.index import IndexModel, IndexOptions, run_index
 from pipelines.readers import CorpusReader
 from pipelines.tokenize import TextTokenizer
 from tests.models import BERT_BASE, save_random_model
@@ -202,8 +202,8 @@ def throughput_suite(engine: Engine, tokenizer: TextTokenizer, texts: list[str],
     source = scratch / "corpus.parquet"
     pq.write_table(pa.table({"id": [str(i) for i in range(len(texts))], "text": texts}), source)
     options = IndexOptions(source=str(source), out=str(scratch / "ours.parquet"), rebuild=True)
-    suite["ours_end_to_end"] = rate(timed(lambda: run_index(engine, tokenizer, options)))
-    suite["ours_end_to_end_gpu_busy"] = gpu_busy_share(lambda: run_index(engine, tokenizer, options))
+    suite["ours_end_to_end"] = rate(timed(lambda: run_index(IndexModel.loaded(engine), options)))
+    suite["ours_end_to_end_gpu_busy"] = gpu_busy_share(lambda: run_index(IndexModel.loaded(engine), options))
     suite["ours_read_and_tokenize_only"] = rate(timed(lambda: [tokenizer.encode([t or "" for t in chunk.texts])
                                                               for chunk in CorpusReader(str(source))]))
     if st is not None:

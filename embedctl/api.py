@@ -10,11 +10,15 @@ It is the engine plus the model's tokenizer; `embedctl index` runs the same piec
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine import Engine, EngineConfig
+from engine import EngineConfig
 from pipelines.tokenize import TextTokenizer
+
+if TYPE_CHECKING:  # importing embedctl (as its command line does) must not import torch
+    from engine import Engine
 
 
 class Embedder:
@@ -38,4 +42,6 @@ def load(model: str | None = None, **options: object) -> Embedder:
 
     options are EngineConfig fields, e.g. device="cuda", dtype="bf16", dim=256, normalize=False.
     """
+    from engine import Engine
+
     return Embedder(Engine.load(model, EngineConfig(**options)))

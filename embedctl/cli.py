@@ -1,7 +1,9 @@
 """The `embedctl` command line: Typer options turned into configs, then handed to pipelines.
 
 No logic lives here beyond that. Problems the user can fix end as one line on stderr with exit
-code 2; an interrupt ends with 130. Both leave any existing output untouched.
+code 2; an interrupt ends with 130. Both leave any existing output untouched. Each command imports
+what only it needs when it runs, and `index` loads its model only once a row needs embedding: an
+up-to-date re-index from cron never imports torch.
 """
 
 from __future__ import annotations
@@ -11,17 +13,19 @@ import sys
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
-import torch
 import typer
 
 from embedctl.progress import index_progress
-from engine import Engine, EngineConfig, UserError
-from pipelines.index import IndexOptions, lock_output, open_corpus, run_index
+from engine import EngineConfig, ModelSpec, UserError
+from engine.checkpoint import resolve_model
+from pipelines.index import IndexModel, IndexOptions, lock_output, open_corpus, run_index
 from pipelines.lock import OutputLocked
-from pipelines.score import ScoreOptions, open_inputs, run_score, write_run
-from pipelines.tokenize import TextTokenizer
+
+if TYPE_CHECKING:
+    from engine import Engine
+    from pipelines.tokenize import TextTokenizer
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Fast text embeddings: index corpora into vector tables, rank documents for queries.")
@@ -116,15 +120,22 @@ def index(
                                commit_rows=commit_rows, on_long=on_long.value, on_empty=on_empty.value,
                                on_duplicate=on_duplicate.value)
         corpus = open_corpus(options)  # a wrong path or a bad file should not wait for a model to load
+        spec = ModelSpec.of(resolve_model(model), config)
+
+        def load_engine(spec: ModelSpec) -> Engine:
+            from engine import Engine
+
+            engine = Engine.load(spec, config)
+            if verbose:
+                typer.echo(f"model {spec.files.name} on {engine.device} ({engine.dtype}), attention "
+                           f"{engine.attention}, dim {spec.dim}, max length {spec.max_length}, "
+                           f"pooling {spec.pooling}", err=True)
+            return engine
+
         try:
             with lock_output(options):  # taken before the model loads: a refused run returns at once
-                engine, tokenizer = _load(model, config)
-                if verbose:
-                    typer.echo(f"model {engine.files.name} on {engine.device} ({engine.dtype}), attention "
-                               f"{engine.attention}, dim {engine.dim}, max length {engine.max_length}, "
-                               f"pooling {engine.pooling}", err=True)
                 with index_progress(enabled=not quiet and sys.stderr.isatty()) as progress:
-                    result = run_index(engine, tokenizer, options, progress, corpus)
+                    result = run_index(IndexModel(spec, load_engine), options, progress, corpus)
         except OutputLocked as error:  # not written to --report: the run that holds the lock owns it
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(EXIT_LOCKED) from None
@@ -167,6 +178,7 @@ def score(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary line.")] = False,
 ) -> None:
     """Rank documents for every query in QUERIES by cosine (bi-encoder), optionally rerank, and write the top-k."""
+    from pipelines.score import ScoreOptions, open_inputs, run_score, write_run
 
     def run() -> None:
         _check_report_path(report)
@@ -227,6 +239,9 @@ def serve(
 
 
 def _load(model: str | None, config: EngineConfig) -> tuple[Engine, TextTokenizer]:
+    from engine import Engine
+    from pipelines.tokenize import TextTokenizer
+
     engine = Engine.load(model, config)
     return engine, TextTokenizer(engine.files.tokenizer_file, engine.max_length)
 
@@ -237,11 +252,18 @@ def _guarded(run: Callable[[], None], report: Path | None) -> None:
         run()
     except UserError as error:
         _fail(str(error), report)
-    except torch.OutOfMemoryError:
+    except Exception as error:
+        if not _out_of_memory(error):
+            raise
         _fail("the GPU ran out of memory; lower --max-batch-tokens or --max-seqs and run again", report)
     except KeyboardInterrupt:
         typer.echo("interrupted; no output was changed", err=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _out_of_memory(error: Exception) -> bool:
+    torch = sys.modules.get("torch")  # not imported means no model ran, so no GPU memory was used
+    return torch is not None and isinstance(error, torch.OutOfMemoryError)
 
 
 def _fail(message: str, report: Path | None) -> None:

@@ -14,10 +14,12 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.errors import UserError
+
+if TYPE_CHECKING:  # reading a model's settings must not import torch; only loading its weights does
+    import torch
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -102,6 +104,7 @@ def match_state_dict(expected: Mapping[str, torch.Tensor], weights: dict[str, to
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint in `path`, by their stored names, on the CPU."""
+    import torch
     from safetensors.torch import load_file
 
     if (path / "model.safetensors").is_file():

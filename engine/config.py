@@ -1,14 +1,20 @@
-"""EngineConfig: every knob of the runtime in one frozen value, checked once when it is built."""
+"""EngineConfig: every knob of the runtime in one frozen value, checked once when it is built.
+
+Building and checking one imports no torch (only torch_device and torch_dtype do), so commands
+that end before any model loads, such as an up-to-date re-index, start fast.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.errors import UserError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flashinfer")
 
@@ -59,6 +65,8 @@ class EngineConfig:
             raise UserError("pinned_slots must be at least 2 so one batch can be read back while the next runs")
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device is not None:
             device = torch.device(self.device)
             if device.type == "cuda" and not torch.cuda.is_available():
@@ -88,6 +96,8 @@ class EngineConfig:
         return max(16384 if device.type == "cuda" else 2048, max_length)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype is None:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return DTYPES[DTYPE_ALIASES.get(self.dtype, self.dtype)]
+        return getattr(torch, DTYPE_ALIASES.get(self.dtype, self.dtype))

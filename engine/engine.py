@@ -16,14 +16,13 @@ model's prompts are in files.prompts).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cached_property
 
 import numpy as np
 import torch
 
 from engine.attention import Attention, AttentionLayout, FlashInferAttention, SdpaAttention, VarlenAttention, choose_backend
 from engine.batch import Packer, PackedBatch
-from engine.checkpoint import ModelFiles, load_weights, position_offset, resolve_model, weights_digest
+from engine.checkpoint import load_weights, position_offset, resolve_model
 from engine.config import EngineConfig
 from engine.errors import UserError
 from engine.fused import Fused
@@ -32,44 +31,31 @@ from engine.lazy import LazyTensor, PinnedRing
 from engine.models.bert import BertConfig, BertModel
 from engine.models.qwen3 import Qwen3Config, Qwen3Model, Qwen3Ops
 from engine.pooling import finish, pool
+from engine.spec import ModelSpec
 
-BERT_FAMILY = ("bert", "roberta", "xlm-roberta")
-QWEN3_FAMILY = ("qwen3", "bidirectional_pplx_qwen3")
 FLASHINFER_WORKSPACE_BYTES = 128 << 20
 
 
 class Engine:
-    """One model on one device. Build it with Engine.load(); feed it PackedBatches through step()."""
+    """One model on one device. Build it with Engine.load(); feed it PackedBatches through step().
 
-    def __init__(self, model: BertModel | Qwen3Model, files: ModelFiles, config: EngineConfig,
+    What it outputs (dim, pooling, normalize, max_length, quantization, num_labels, vector_dtype,
+    settings()) is its ModelSpec's (engine.spec), copied here for the callers' convenience.
+    """
+
+    def __init__(self, model: BertModel | Qwen3Model, spec: ModelSpec, config: EngineConfig,
                  device: torch.device) -> None:
         self.model = model
-        self.files = files
+        self.spec = spec
+        self.files = spec.files
         self.config = config
         self.device = device
         self.dtype = next(model.parameters()).dtype
-        self.num_labels = model.num_labels
-        self.quantization = None if self.num_labels else files.quantization
-        # What results hold: step() gives float32 always (an int8 model's values are whole numbers,
-        # exact in float32); embed() and the writers give vector_dtype.
-        self.vector_dtype = "int8" if self.quantization == "int8" else "float32"
-        if self.num_labels:
-            if config.dim is not None or config.normalize:
-                raise UserError(f"{files.name} is a cross-encoder: it scores pairs and has no vectors to cut "
-                                "or normalise; drop --dim and --normalize")
-            self.pooling, self.normalize, self.dim = "cls", False, self.num_labels
-            self.sigmoid = self.num_labels == 1 and not _activation(files.config).endswith("Identity")
-        else:
-            self.pooling = files.pooling
-            self.normalize = files.normalize if config.normalize is None else config.normalize
-            hidden = model.config.hidden_size
-            if config.dim is not None and config.dim > hidden:
-                raise UserError(f"--dim {config.dim} is larger than the model's {hidden} dimensions; pick at most {hidden}")
-            self.dim = config.dim or hidden
-            if self.quantization and self.normalize:
-                raise UserError(f"{files.name} outputs {self.quantization} vectors (round(tanh(x) * 127)), which "
-                                "are compared by cosine and not normalised; drop --normalize")
-        self.max_length = min(config.max_length or files.max_length, model.max_positions)
+        self.num_labels, self.sigmoid, self.quantization = spec.num_labels, spec.sigmoid, spec.quantization
+        self.pooling, self.normalize, self.dim, self.max_length = spec.pooling, spec.normalize, spec.dim, spec.max_length
+        # step() gives float32 always (an int8 model's values are whole numbers, exact in float32);
+        # embed() and the writers give vector_dtype.
+        self.vector_dtype = spec.vector_dtype
         self.max_batch_tokens = config.batch_tokens(device, self.max_length)
         if self.max_length > self.max_batch_tokens:
             raise UserError(f"--max-batch-tokens {self.max_batch_tokens} is smaller than the max length "
@@ -88,25 +74,22 @@ class Engine:
             self.cpu_attention = SdpaAttention(causal=model.causal)
 
     @classmethod
-    def load(cls, model: str | None = None, config: EngineConfig | None = None) -> Engine:
-        """Load `model` (a directory, a hub id, or None for the default all-MiniLM-L6-v2)."""
+    def load(cls, model: str | ModelSpec | None = None, config: EngineConfig | None = None) -> Engine:
+        """Load `model`: a directory, a hub id, None for the default all-MiniLM-L6-v2, or the ModelSpec
+        a caller worked out already with the same config."""
         config = config or EngineConfig()
-        files = resolve_model(model)
-        model_type = files.config.get("model_type")
+        spec = model if isinstance(model, ModelSpec) else ModelSpec.of(resolve_model(model), config)
         device = config.torch_device()
         fuse = device.type == "cuda" and config.compile
         network: BertModel | Qwen3Model
-        if model_type in BERT_FAMILY:
-            network = BertModel(BertConfig.from_hf(files.config, position_offset(files.config)), Fused(fuse))
-        elif model_type in QWEN3_FAMILY:
-            network = Qwen3Model(Qwen3Config.from_hf(files.config), Qwen3Ops(fuse))
+        if spec.family == "bert":
+            network = BertModel(BertConfig.from_hf(spec.files.config, position_offset(spec.files.config)), Fused(fuse))
         else:
-            raise UserError(f"model type {model_type!r} is not supported yet; embedctl runs "
-                            f"{', '.join(BERT_FAMILY + QWEN3_FAMILY)} models")
-        network.load_hf_weights(load_weights(files.path))
+            network = Qwen3Model(Qwen3Config.from_hf(spec.files.config), Qwen3Ops(fuse))
+        network.load_hf_weights(load_weights(spec.files.path))
         network.requires_grad_(False)
         network.to(device=device, dtype=config.torch_dtype(device)).eval()
-        return cls(network, files, config, device)
+        return cls(network, spec, config, device)
 
     def forward(self, inputs: torch.Tensor, tokens: int, slots: int, attention: Attention) -> torch.Tensor:
         """The whole model on inputs laid out by PackedBatch.write_inputs -> float32 [slots, dim]."""
@@ -156,26 +139,8 @@ class Engine:
     def stats(self) -> GraphStats:
         return self.runner.stats if self.runner is not None else GraphStats()
 
-    @cached_property
-    def weights_sha256(self) -> str:
-        return weights_digest(self.files.path)
-
     def settings(self) -> dict[str, str]:
-        """What decides the vectors: recorded with every output so a mismatch can be caught later."""
-        if self.num_labels:
-            return {"model": self.files.name, "weights_sha256": self.weights_sha256, "labels": str(self.num_labels),
-                    "activation": "sigmoid" if self.sigmoid else "identity", "max_length": str(self.max_length)}
-        settings = {
-            "model": self.files.name,
-            "weights_sha256": self.weights_sha256,
-            "dim": str(self.dim),
-            "pooling": self.pooling,
-            "normalize": str(self.normalize).lower(),
-            "max_length": str(self.max_length),
-        }
-        if self.quantization:  # only then, so tables written before quantisation existed still match
-            settings["quantization"] = self.quantization
-        return settings
+        return self.spec.settings()
 
     def _make_attention(self, slots: int | None) -> Attention:
         if self.attention == "flashinfer":
@@ -186,7 +151,3 @@ class Engine:
                                        num_kv_heads=self.model.num_kv_heads)
         return VarlenAttention(causal=self.model.causal)
 
-
-def _activation(config: dict) -> str:
-    """The score activation sentence-transformers' CrossEncoder records (default: sigmoid for one label)."""
-    return (config.get("sentence_transformers") or {}).get("activation_fn") or "Sigmoid"

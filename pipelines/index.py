@@ -12,7 +12,10 @@ and keys of the output and of the source) and the engine always has the next bat
 device computes batch N+1, the writer thread waits on batch N's LazyTensor. Rows are written in the
 order they came.
 
-It does not guard against a second run on the same output: the caller holds lock_output(options).
+The model comes as an IndexModel: its spec (what a vector is) at once, its tokenizer and engine only
+when the first row needs embedding, so an up-to-date output costs no model load, no GPU start and
+no torch import. It does not guard against a second run on the same output: the caller holds
+lock_output(options).
 """
 
 from __future__ import annotations
@@ -25,17 +28,21 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, replace
-from typing import Protocol
+from functools import cached_property
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pyarrow as pa
 
-from engine import Engine, Packer
+from engine import ModelSpec, Packer
 from engine.errors import UserError
 from pipelines.lock import hold_lock
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import TextTokenizer, resolve_prompt
 from pipelines.writers import VectorStore, lock_file, open_store, output_schema
+
+if TYPE_CHECKING:
+    from engine import Engine
 
 QUEUE_DEPTH = 4
 
@@ -63,7 +70,7 @@ class IndexOptions:
 class IndexReport:
     output: str
     model: str
-    device: str
+    device: str | None = None  # None: nothing needed embedding, so no engine was loaded
     rows_read: int = 0
     rows_written: int = 0  # embedded: added + updated
     added: int = 0
@@ -117,6 +124,31 @@ class _Tokenized:
         return self.filled == len(self.rows)
 
 
+class IndexModel:
+    """What run_index embeds with: the model's spec now, its tokenizer and engine when a row first needs them."""
+
+    def __init__(self, spec: ModelSpec, load_engine: Callable[[ModelSpec], Engine]) -> None:
+        self.spec = spec
+        self._load_engine = load_engine
+        self.engine: Engine | None = None
+
+    @classmethod
+    def loaded(cls, engine: Engine) -> IndexModel:
+        """An engine the caller loaded already (tests and benchmarks reuse one across runs)."""
+        model = cls(engine.spec, lambda spec: engine)
+        model.engine = engine
+        return model
+
+    @cached_property
+    def tokenizer(self) -> TextTokenizer:
+        return TextTokenizer(self.spec.files.tokenizer_file, self.spec.max_length)
+
+    def load(self) -> Engine:
+        if self.engine is None:
+            self.engine = self._load_engine(self.spec)
+        return self.engine
+
+
 class Progress(Protocol):
     def __call__(self, rows: int, tokens: int, total_rows: int | None) -> None:
         """rows done (embedded or skipped) and tokens embedded so far, out of total_rows when known."""
@@ -132,8 +164,8 @@ def lock_output(options: IndexOptions) -> AbstractContextManager[None]:
     return hold_lock(lock_file(options.out, options.table), options.out)
 
 
-def run_index(engine: Engine, tokenizer: TextTokenizer, options: IndexOptions,
-              progress: Progress | None = None, corpus: CorpusReader | None = None) -> IndexReport:
+def run_index(model: IndexModel, options: IndexOptions, progress: Progress | None = None,
+              corpus: CorpusReader | None = None) -> IndexReport:
     """Bring options.out up to date with every row of options.source; returns the run's report.
 
     corpus is open_corpus(options) when the caller has opened it already. On any failure, including
@@ -141,27 +173,28 @@ def run_index(engine: Engine, tokenizer: TextTokenizer, options: IndexOptions,
     the groups committed so far, which a run with the same options does not embed again.
     """
     reader = corpus or open_corpus(options)
-    options = replace(options, prompt=resolve_prompt(engine.files, "document", options.prompt, options.prompt_name),
+    spec = model.spec
+    options = replace(options, prompt=resolve_prompt(spec.files, "document", options.prompt, options.prompt_name),
                       prompt_name=None)
-    report = IndexReport(output=options.out, model=engine.files.name, device=str(engine.device))
+    report = IndexReport(output=options.out, model=spec.files.name)
     started = time.perf_counter()
     flow = _Flow()
     store: VectorStore | None = None
     try:
         chunks = flow.stage(iter(reader))
         first = next(chunks, None)
-        settings = {**engine.settings(), "prompt": options.prompt}
-        schema = _schema(engine, settings, first)
+        settings = {**spec.settings(), "prompt": options.prompt}
+        schema = _schema(spec, settings, first)
         store = open_store(options.out, schema, options.table, options.rebuild,
                            options.commit_rows)
         source: dict[str, str] = {}  # id -> content key of every row a fresh build would write
-        tokenized = flow.stage(_select(_chain(first, chunks), tokenizer, options, report, _ContentKeys(settings),
+        tokenized = flow.stage(_select(_chain(first, chunks), model, options, report, _ContentKeys(settings),
                                        store.existing, source))
         if progress is not None:
             progress(0, 0, reader.total_rows)
         vector_type = schema.field("vector").type.value_type
         flow.consume(_assemble(flow.stage_from_queue(), report, progress, reader.total_rows, vector_type), store)
-        _embed(engine, tokenized, flow)
+        _embed(model, tokenized, flow)
         flow.finish()
         report.deleted = store.finish(source, options.prune)
     except BaseException:
@@ -172,14 +205,21 @@ def run_index(engine: Engine, tokenizer: TextTokenizer, options: IndexOptions,
     if progress is not None:
         progress(report.rows_written + report.unchanged + report.skipped, report.tokens, reader.total_rows)
     report.seconds = time.perf_counter() - started
-    report.graphs = asdict(engine.stats)
+    if model.engine is not None:
+        report.device, report.graphs = str(model.engine.device), asdict(model.engine.stats)
     return report
 
 
-def _embed(engine: Engine, items: Iterator[_Tokenized], flow: _Flow) -> None:
-    """Pack rows first come, first served and send each batch's LazyTensor on to the writer thread."""
+def _embed(model: IndexModel, items: Iterator[_Tokenized], flow: _Flow) -> None:
+    """Pack rows first come, first served and send each batch's LazyTensor on to the writer thread.
+
+    The engine loads when the first rows to embed arrive, while the tokenizer thread works ahead."""
+    first = next(items, None)
+    if first is None:
+        return
+    engine = model.load()
     packer = Packer(engine.max_batch_tokens, engine.config.max_seqs)
-    for item in items:
+    for item in _chain(first, items):
         for row, ids in enumerate(item.ids):
             if (batch := packer.add(ids, (item, row))) is not None:
                 flow.send((engine.step(batch), batch.tags))
@@ -203,7 +243,7 @@ class _ContentKeys:
         return key.hexdigest()[:32]
 
 
-def _select(chunks: Iterator[Chunk], tokenizer: TextTokenizer, options: IndexOptions, report: IndexReport,
+def _select(chunks: Iterator[Chunk], model: IndexModel, options: IndexOptions, report: IndexReport,
             keys: _ContentKeys, existing: dict[str, str], source: dict[str, str]) -> Iterator[_Tokenized]:
     """Tokenize the rows the output lacks or holds under another key; note every wanted row in source."""
     for chunk in chunks:
@@ -227,10 +267,10 @@ def _select(chunks: Iterator[Chunk], tokenizer: TextTokenizer, options: IndexOpt
             row_keys.append(key)
         if not rows:
             continue
-        encoded = tokenizer.encode([options.prompt + chunk.texts[row] for row in rows])
+        encoded = model.tokenizer.encode([options.prompt + chunk.texts[row] for row in rows])
         if options.on_long == "error" and any(encoded.truncated):
             row = rows[encoded.truncated.index(True)]
-            raise UserError(f"{chunk.where(row)}: text is longer than the model's {tokenizer.max_length} "
+            raise UserError(f"{chunk.where(row)}: text is longer than the model's {model.spec.max_length} "
                             "tokens; shorten it or pass --on-long truncate")
         yield _Tokenized(chunk, rows, encoded.ids, encoded.truncated, row_keys)
 
@@ -287,13 +327,13 @@ def _record_batch(item: _Tokenized, vector_type: pa.DataType) -> pa.RecordBatch:
     return pa.RecordBatch.from_pydict(columns)
 
 
-def _schema(engine: Engine, settings: dict[str, str], first: Chunk | None) -> pa.Schema:
+def _schema(spec: ModelSpec, settings: dict[str, str], first: Chunk | None) -> pa.Schema:
     kept = first.kept.schema if first is not None and first.kept is not None else None
-    return output_schema(engine.dim, kept, {f"embedctl.{key}": value for key, value in settings.items()},
-                         pa.from_numpy_dtype(np.dtype(engine.vector_dtype)))
+    return output_schema(spec.dim, kept, {f"embedctl.{key}": value for key, value in settings.items()},
+                         pa.from_numpy_dtype(np.dtype(spec.vector_dtype)))
 
 
-def _chain(first: Chunk | None, rest: Iterator[Chunk]) -> Iterator[Chunk]:
+def _chain(first: object | None, rest: Iterator) -> Iterator:
     if first is not None:
         yield first
         yield from rest

@@ -132,15 +132,13 @@ def test_bert_base_shape_backends_equal_cpu_fp32(tmp_path, backend: str) -> None
 
 
 def test_index_on_gpu_equals_cpu(minilm_dir, tmp_path) -> None:
-    from pipelines.index import IndexOptions, run_index
-    from pipelines.tokenize import TextTokenizer
+    from pipelines.index import IndexModel, IndexOptions, run_index
 
     outputs = {}
     for device in ("cuda", "cpu"):
         engine = Engine.load(str(minilm_dir), EngineConfig(device=device))
-        tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
         out = tmp_path / f"{device}.parquet"
-        report = run_index(engine, tokenizer, IndexOptions(source="sample_data/corpus", out=str(out)))
+        report = run_index(IndexModel.loaded(engine), IndexOptions(source="sample_data/corpus", out=str(out)))
         assert report.rows_written == 300
         outputs[device] = pq.read_table(out)
     assert outputs["cuda"].column("id").to_pylist() == outputs["cpu"].column("id").to_pylist()

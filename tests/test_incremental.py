@@ -234,3 +234,20 @@ def test_a_second_run_is_refused_and_a_killed_runs_lock_is_recovered(work: Path)
     third = run(work, "big.jsonl", "z.lance")
     assert third.returncode == 0, third.stderr
     assert read(work, "z.lance").num_rows == 3000 and not lock.exists()
+
+
+def test_an_up_to_date_output_is_checked_without_loading_the_model(work: Path) -> None:
+    """A cron re-run over an unchanged corpus loads no weights and starts no GPU: torch is never imported."""
+    write_jsonl(work / "u.jsonl", documents(100, seed=4))
+    side_by_side(work, ("u.jsonl", "u.lance"))
+    probe = ("import sys\nfrom embedctl.cli import app\ntry:\n    app(sys.argv[1:])\n"
+             "except SystemExit as end:\n    print('torch' in sys.modules, end.code)")
+    result = subprocess.run([sys.executable, "-c", probe, *index_args("u.jsonl", "u.lance", "--report", "u.json")[3:]],
+                            cwd=work, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.stdout.split() == ["False", "0"], result.stderr
+    done = report(work, "u.json")
+    assert (done["unchanged"], done["rows_written"], done["device"], done["graphs"]) == (100, 0, None, {})
+
+    write_jsonl(work / "u.jsonl", documents(101, seed=4))  # one row more: now the model loads
+    assert run(work, "u.jsonl", "u.lance", "--report", "u.json").returncode == 0
+    assert report(work, "u.json")["device"] == "cpu"

@@ -22,7 +22,7 @@ import torch
 
 import embedctl
 from engine import Engine, EngineConfig, UserError
-from pipelines.index import IndexOptions, IndexReport, run_index
+from pipelines.index import IndexModel, IndexOptions, IndexReport, run_index
 from pipelines.tokenize import TextTokenizer
 from tests.files import snapshot, write_jsonl
 
@@ -50,13 +50,8 @@ def reference() -> embedctl.Embedder:
     return embedctl.load()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(engine: Engine) -> TextTokenizer:
-    return TextTokenizer(engine.files.tokenizer_file, engine.max_length)
-
-
-def index(engine: Engine, tokenizer: TextTokenizer, source: Path, out: str, **options: object) -> IndexReport:
-    return run_index(engine, tokenizer, IndexOptions(source=str(source), out=out, chunk_rows=7, **options))
+def index(engine: Engine, source: Path, out: str, **options: object) -> IndexReport:
+    return run_index(IndexModel.loaded(engine), IndexOptions(source=str(source), out=out, chunk_rows=7, **options))
 
 
 def read_output(out: str) -> pa.Table:
@@ -86,10 +81,10 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
 
 @pytest.mark.parametrize("out", OUTPUTS)
 def test_vectors_ids_and_kept_columns_match_the_api_in_input_order(
-        tmp_path: Path, engine: Engine, tokenizer: TextTokenizer, reference: embedctl.Embedder,
+        tmp_path: Path, engine: Engine, reference: embedctl.Embedder,
         corpus: tuple[Path, list[dict]], out: str) -> None:
     source, rows = corpus
-    report = index(engine, tokenizer, source, f"{tmp_path}/{out}", keep=("tag",))
+    report = index(engine, source, f"{tmp_path}/{out}", keep=("tag",))
     kept = [row for row in rows if row["text"].strip()]
     table = read_output(f"{tmp_path}/{out}")
     assert table.column("id").to_pylist() == [row["id"] for row in kept]
@@ -103,10 +98,10 @@ def test_vectors_ids_and_kept_columns_match_the_api_in_input_order(
     assert report.truncated == sum(table.column("truncated").to_pylist()) == sum(LONG in r["text"] for r in kept)
 
 
-def test_duplicates_skipped_on_request_keep_the_first(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer,
+def test_duplicates_skipped_on_request_keep_the_first(tmp_path: Path, engine: Engine,
                                                      reference: embedctl.Embedder) -> None:
     rows = [{"id": "a", "text": "first"}, {"id": "b", "text": "second"}, {"id": "a", "text": "again"}]
-    report = index(engine, tokenizer, write_jsonl(tmp_path / "d.jsonl", rows), f"{tmp_path}/x.parquet",
+    report = index(engine, write_jsonl(tmp_path / "d.jsonl", rows), f"{tmp_path}/x.parquet",
                    on_duplicate="skip")
     table = read_output(f"{tmp_path}/x.parquet")
     assert table.column("id").to_pylist() == ["a", "b"]
@@ -115,11 +110,11 @@ def test_duplicates_skipped_on_request_keep_the_first(tmp_path: Path, engine: En
     assert report.skipped_duplicate == 1
 
 
-def test_progress_counts_up_to_the_known_total(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer,
+def test_progress_counts_up_to_the_known_total(tmp_path: Path, engine: Engine,
                                                corpus: tuple[Path, list[dict]]) -> None:
     source, _ = corpus
     calls = []
-    run_index(engine, tokenizer, IndexOptions(source=str(source / "a.parquet"), out=f"{tmp_path}/x.parquet",
+    run_index(IndexModel.loaded(engine), IndexOptions(source=str(source / "a.parquet"), out=f"{tmp_path}/x.parquet",
                                               chunk_rows=7), lambda *args: calls.append(args))
     assert calls[0] == (0, 0, 33)
     rows = [rows for rows, _, _ in calls]
@@ -136,9 +131,9 @@ def bad_source(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "bad.jsonl", [*GOOD, '{"id": "x", "text": '])
 
 
-def existing_output(engine: Engine, tokenizer: TextTokenizer, work: Path, out: str) -> str:
+def existing_output(engine: Engine, work: Path, out: str) -> str:
     small = write_jsonl(work / "small.jsonl", [{"id": "old", "text": "An old row."}])
-    index(engine, tokenizer, small, f"{work}/{out}")
+    index(engine, small, f"{work}/{out}")
     return f"{work}/{out}"
 
 
@@ -163,12 +158,12 @@ def assert_failure_changes_nothing(work: Path, run: Callable[[], object], error:
 
 
 @pytest.mark.parametrize("out", OUTPUTS)
-def test_bad_line_far_in_leaves_no_output(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer,
+def test_bad_line_far_in_leaves_no_output(tmp_path: Path, engine: Engine,
                                           bad_source: Path, out: str) -> None:
-    existing_output(engine, tokenizer, tmp_path / "warm", out)  # LanceDB's own thread starts once, before the count
+    existing_output(engine, tmp_path / "warm", out)  # LanceDB's own thread starts once, before the count
     watch = Watch()
     options = IndexOptions(source=str(bad_source), out=f"{tmp_path}/{out}", chunk_rows=7)
-    assert_failure_changes_nothing(tmp_path, lambda: run_index(engine, tokenizer, options, watch),
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options, watch),
                                    UserError, "bad.jsonl line 301: invalid JSON")
     assert watch.rows >= 7  # the failure came after the writer had been given rows
     assert not (tmp_path / out).exists()
@@ -177,18 +172,18 @@ def test_bad_line_far_in_leaves_no_output(tmp_path: Path, engine: Engine, tokeni
 @pytest.mark.parametrize("out", OUTPUTS)
 @pytest.mark.parametrize("rebuild", [False, True])
 def test_bad_line_before_the_first_commit_leaves_an_existing_output_untouched(
-        tmp_path: Path, engine: Engine, tokenizer: TextTokenizer, bad_source: Path, out: str, rebuild: bool) -> None:
-    existing = existing_output(engine, tokenizer, tmp_path, out)
+        tmp_path: Path, engine: Engine, bad_source: Path, out: str, rebuild: bool) -> None:
+    existing = existing_output(engine, tmp_path, out)
     options = IndexOptions(source=str(bad_source), out=existing, rebuild=rebuild, chunk_rows=7)
-    assert_failure_changes_nothing(tmp_path, lambda: run_index(engine, tokenizer, options),
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options),
                                    UserError, "bad.jsonl line 301")
     assert read_output(existing).column("id").to_pylist() == ["old"]
 
 
 @pytest.mark.parametrize("out", OUTPUTS)
-def test_interrupt_in_the_engine_loop_leaves_nothing(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer,
+def test_interrupt_in_the_engine_loop_leaves_nothing(tmp_path: Path, engine: Engine,
                                                      monkeypatch: pytest.MonkeyPatch, out: str) -> None:
-    existing = existing_output(engine, tokenizer, tmp_path, out)
+    existing = existing_output(engine, tmp_path, out)
     source = write_jsonl(tmp_path / "good.jsonl", GOOD)
     step, calls = engine.step, []
 
@@ -200,12 +195,11 @@ def test_interrupt_in_the_engine_loop_leaves_nothing(tmp_path: Path, engine: Eng
 
     monkeypatch.setattr(engine, "step", interrupted_step)
     options = IndexOptions(source=str(source), out=existing, rebuild=True, chunk_rows=7)
-    assert_failure_changes_nothing(tmp_path, lambda: run_index(engine, tokenizer, options), KeyboardInterrupt, None)
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options), KeyboardInterrupt, None)
 
 
-def test_error_in_the_writer_thread_reaches_the_caller(tmp_path: Path, engine: Engine,
-                                                       tokenizer: TextTokenizer) -> None:
-    existing_output(engine, tokenizer, tmp_path / "warm", "x.lance")
+def test_error_in_the_writer_thread_reaches_the_caller(tmp_path: Path, engine: Engine) -> None:
+    existing_output(engine, tmp_path / "warm", "x.lance")
     source = write_jsonl(tmp_path / "good.jsonl", GOOD)
 
     def broken_progress(rows: int, tokens: int, total_rows: int | None) -> None:
@@ -213,43 +207,43 @@ def test_error_in_the_writer_thread_reaches_the_caller(tmp_path: Path, engine: E
             raise RuntimeError("progress display failed")
 
     options = IndexOptions(source=str(source), out=f"{tmp_path}/x.lance", chunk_rows=7)
-    assert_failure_changes_nothing(tmp_path, lambda: run_index(engine, tokenizer, options, broken_progress),
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options, broken_progress),
                                    RuntimeError, "progress display failed")
 
 
 @pytest.mark.parametrize("out", ["x.lance", "dir/"])
 def test_a_failure_keeps_the_committed_groups_and_a_rerun_resumes_after_them(
-        tmp_path: Path, engine: Engine, tokenizer: TextTokenizer, bad_source: Path, out: str) -> None:
+        tmp_path: Path, engine: Engine, bad_source: Path, out: str) -> None:
     options = IndexOptions(source=str(bad_source), out=f"{tmp_path}/{out}", chunk_rows=7, commit_rows=50)
     with pytest.raises(UserError, match="bad.jsonl line 301"):
-        run_index(engine, tokenizer, options)
+        run_index(IndexModel.loaded(engine), options)
     committed = read_output(f"{tmp_path}/{out}").column("id").to_pylist()
     assert committed == [row["id"] for row in GOOD[:len(committed)]] and len(committed) % 50 == 0 and committed
 
     write_jsonl(bad_source, GOOD)  # the user fixes the line and runs the same command again
-    report = run_index(engine, tokenizer, options)
+    report = run_index(IndexModel.loaded(engine), options)
     assert (report.unchanged, report.added) == (len(committed), len(GOOD) - len(committed))
     assert sorted(read_output(f"{tmp_path}/{out}").column("id").to_pylist()) == sorted(row["id"] for row in GOOD)
 
 
-def test_other_settings_are_refused(tmp_path: Path, engine: Engine, tokenizer: TextTokenizer) -> None:
-    existing = existing_output(engine, tokenizer, tmp_path, "x.lance")
+def test_other_settings_are_refused(tmp_path: Path, engine: Engine) -> None:
+    existing = existing_output(engine, tmp_path, "x.lance")
     other = Engine.load(None, EngineConfig(normalize=False))
     options = IndexOptions(source=str(tmp_path / "small.jsonl"), out=existing)
-    assert_failure_changes_nothing(tmp_path, lambda: run_index(other, tokenizer, options), UserError,
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(other), options), UserError,
                                    "normalize 'true' and this run's normalize is 'false'; pass --rebuild")
 
 
 def test_the_prompt_goes_before_every_text_and_is_part_of_the_settings(
-        tmp_path: Path, engine: Engine, tokenizer: TextTokenizer, reference: embedctl.Embedder) -> None:
+        tmp_path: Path, engine: Engine, reference: embedctl.Embedder) -> None:
     rows = [{"id": "a", "text": "first"}, {"id": "b", "text": "second"}]
     source = write_jsonl(tmp_path / "p.jsonl", rows)
-    index(engine, tokenizer, source, f"{tmp_path}/x.lance", prompt="passage: ")
+    index(engine, source, f"{tmp_path}/x.lance", prompt="passage: ")
     table = read_output(f"{tmp_path}/x.lance")
     vectors = np.stack(table.column("vector").to_numpy(zero_copy_only=False))
     np.testing.assert_allclose(vectors, reference.embed(["passage: first", "passage: second"]), atol=1e-5)
     options = IndexOptions(source=str(source), out=f"{tmp_path}/x.lance", prompt="query: ")
-    assert_failure_changes_nothing(tmp_path, lambda: run_index(engine, tokenizer, options), UserError,
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options), UserError,
                                    "prompt 'passage: ' and this run's prompt is 'query: '")
 
 
@@ -261,7 +255,7 @@ def test_int8_model_writes_int8_vectors_equal_to_the_engine(tmp_path: Path) -> N
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
     rows = [{"id": f"d{i}", "text": f"document number {i} about vectors"} for i in range(5)]
     write_jsonl(tmp_path / "docs.jsonl", rows)
-    run_index(engine, tokenizer, IndexOptions(source=str(tmp_path / "docs.jsonl"), out=str(tmp_path / "out.parquet")))
+    run_index(IndexModel.loaded(engine), IndexOptions(source=str(tmp_path / "docs.jsonl"), out=str(tmp_path / "out.parquet")))
     table = pq.read_table(tmp_path / "out.parquet")
     assert table.schema.field("vector").type == pa.list_(pa.int8(), engine.dim)
     assert table.schema.metadata[b"embedctl.quantization"] == b"int8"

@@ -20,6 +20,7 @@ from torch import nn
 from engine.checkpoint import match_state_dict
 from engine.errors import UserError
 from engine.fused import Fused
+from engine.spec import classifier_labels
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -64,7 +65,7 @@ class BertConfig:
             intermediate_size=config["intermediate_size"], hidden_act=config.get("hidden_act", "gelu"),
             max_position_embeddings=config.get("max_position_embeddings", 512),
             type_vocab_size=config.get("type_vocab_size", 2), layer_norm_eps=config.get("layer_norm_eps", 1e-12),
-            position_offset=position_offset, num_labels=_num_labels(config), model_type=config.get("model_type", "bert"),
+            position_offset=position_offset, num_labels=classifier_labels(config), model_type=config.get("model_type", "bert"),
         )
 
     @property
@@ -230,9 +231,3 @@ class BertModel(nn.Module):
             return self.classifier.out_proj(torch.tanh(self.classifier.dense(first_tokens)))
         return self.classifier(torch.tanh(self.pooler.dense(first_tokens)))
 
-
-def _num_labels(config: dict) -> int:
-    """How many logits a *ForSequenceClassification checkpoint outputs; 0 for an embedding model."""
-    if not any(arch.endswith("ForSequenceClassification") for arch in config.get("architectures") or ()):
-        return 0
-    return len(config["id2label"]) if config.get("id2label") else int(config.get("num_labels", 2))

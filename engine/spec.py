@@ -1,0 +1,103 @@
+"""ModelSpec: what a model outputs, worked out from its files and the user's options alone.
+
+Vectors or scores, their width, pooling, normalisation, quantisation and the max length: all of it
+follows from config.json, the sentence-transformers files and EngineConfig, with no weights loaded
+and no torch imported. A pipeline can therefore tell what its output already holds (the settings a
+stored vector was made with) before it pays for starting a GPU and loading a model; an unchanged
+re-index never pays at all. Engine builds on the same spec, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from engine.checkpoint import ModelFiles, position_offset, weights_digest
+from engine.config import EngineConfig
+from engine.errors import UserError
+
+BERT_FAMILY = ("bert", "roberta", "xlm-roberta")
+QWEN3_FAMILY = ("qwen3", "bidirectional_pplx_qwen3")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model's outputs. num_labels > 0: a cross-encoder, whose outputs are num_labels scores per pair."""
+
+    files: ModelFiles
+    family: str  # "bert" or "qwen3": which network engine.models builds
+    num_labels: int
+    pooling: str
+    normalize: bool
+    dim: int
+    max_length: int
+    quantization: str | None  # "int8": round(tanh(x) * 127); None: float32
+    sigmoid: bool  # a one-label cross-encoder squashes its score
+
+    @classmethod
+    def of(cls, files: ModelFiles, config: EngineConfig) -> ModelSpec:
+        """The spec for `files` run with `config`; UserError for a model or an option that cannot work."""
+        model_type = files.config.get("model_type")
+        if model_type in BERT_FAMILY:
+            family, labels = "bert", classifier_labels(files.config)
+            max_positions = files.config.get("max_position_embeddings", 512) - position_offset(files.config)
+        elif model_type in QWEN3_FAMILY:
+            family, labels = "qwen3", 0  # Qwen3 cross-encoders are not supported
+            max_positions = files.config.get("max_position_embeddings", 32768)
+        else:
+            raise UserError(f"model type {model_type!r} is not supported yet; embedctl runs "
+                            f"{', '.join(BERT_FAMILY + QWEN3_FAMILY)} models")
+        max_length = min(config.max_length or files.max_length, max_positions)
+        if labels:
+            if config.dim is not None or config.normalize:
+                raise UserError(f"{files.name} is a cross-encoder: it scores pairs and has no vectors to cut "
+                                "or normalise; drop --dim and --normalize")
+            sigmoid = labels == 1 and not _activation(files.config).endswith("Identity")
+            return cls(files, family, labels, "cls", False, labels, max_length, None, sigmoid)
+        hidden = files.config["hidden_size"]
+        if config.dim is not None and config.dim > hidden:
+            raise UserError(f"--dim {config.dim} is larger than the model's {hidden} dimensions; pick at most {hidden}")
+        normalize = files.normalize if config.normalize is None else config.normalize
+        if files.quantization and normalize:
+            raise UserError(f"{files.name} outputs {files.quantization} vectors (round(tanh(x) * 127)), which "
+                            "are compared by cosine and not normalised; drop --normalize")
+        return cls(files, family, 0, files.pooling, normalize, config.dim or hidden, max_length,
+                   files.quantization, False)
+
+    @property
+    def vector_dtype(self) -> str:
+        """What results hold: int8 for an int8 model (its float32 values are whole numbers), else float32."""
+        return "int8" if self.quantization == "int8" else "float32"
+
+    @cached_property
+    def weights_sha256(self) -> str:
+        return weights_digest(self.files.path)
+
+    def settings(self) -> dict[str, str]:
+        """What decides the outputs: recorded with every output so a mismatch can be caught later."""
+        if self.num_labels:
+            return {"model": self.files.name, "weights_sha256": self.weights_sha256, "labels": str(self.num_labels),
+                    "activation": "sigmoid" if self.sigmoid else "identity", "max_length": str(self.max_length)}
+        settings = {
+            "model": self.files.name,
+            "weights_sha256": self.weights_sha256,
+            "dim": str(self.dim),
+            "pooling": self.pooling,
+            "normalize": str(self.normalize).lower(),
+            "max_length": str(self.max_length),
+        }
+        if self.quantization:  # only then, so tables written before quantisation existed still match
+            settings["quantization"] = self.quantization
+        return settings
+
+
+def classifier_labels(config: dict) -> int:
+    """How many logits a *ForSequenceClassification checkpoint outputs; 0 for an embedding model."""
+    if not any(arch.endswith("ForSequenceClassification") for arch in config.get("architectures") or ()):
+        return 0
+    return len(config["id2label"]) if config.get("id2label") else int(config.get("num_labels", 2))
+
+
+def _activation(config: dict) -> str:
+    """The score activation sentence-transformers' CrossEncoder records (default: sigmoid for one label)."""
+    return (config.get("sentence_transformers") or {}).get("activation_fn") or "Sigmoid"

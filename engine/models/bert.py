@@ -14,23 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint import match_state_dict
 from engine.errors import UserError
-from engine.fused import Fused
+from engine.fused import ACTIVATIONS, Fused
 from engine.spec import classifier_labels
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-}
 # Checkpoints saved from BertModel have no prefix; those saved from task heads nest it.
 PREFIXES = ("bert.", "roberta.", "model.")
 ROBERTA_TYPES = ("roberta", "xlm-roberta")
@@ -132,7 +124,7 @@ class BertLayer(nn.Module):
         self.output = BertOutput(config)
         self.qkv: nn.Linear | None = None
         self.heads = config.num_attention_heads
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.act = config.hidden_act
 
     def fuse_qkv(self) -> None:
         """Replace query, key and value by one [3H, H] projection: one GEMM instead of three."""
@@ -151,7 +143,7 @@ class BertLayer(nn.Module):
         out = self.attention.output.dense(context)
         norm = self.attention.output.LayerNorm
         x = fused.add_layer_norm(out, x, norm.weight, norm.bias, norm.eps)
-        out = self.output.dense(self.act(self.intermediate.dense(x)))
+        out = self.output.dense(fused.dense_act(x, self.intermediate.dense, self.act))
         norm = self.output.LayerNorm
         return fused.add_layer_norm(out, x, norm.weight, norm.bias, norm.eps)
 

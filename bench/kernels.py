@@ -8,6 +8,7 @@ and cosine next to its time, so a fast but wrong kernel shows):
                          64), dense SDPA per forced backend, compiled flex_attention (hd32 only)
   attention_causal_long  Qwen3-0.6B causal GQA attention at 4,096 / 512 / 128 tokens, with TFLOP/s
   qwen3_gemms            Qwen3-0.6B's four GEMMs per layer at 128 to 16,384 tokens, with TFLOP/s
+  qwen3_elementwise      Qwen3's SwiGLU and q/k norm + rotary: compiled as the engine does, static, eager, FlashInfer
   layer_breakdown        the engine (random weights) on one replayed step: GPU time and top kernels
   big_batches            MiniLM and BERT-base tokens/s through Engine.step at 16k / 32k / 64k tokens
 A time is the median of --repeats loops of K calls (K so that a loop takes about 2 ms) timed with
@@ -321,6 +322,40 @@ def qwen3_gemms(repeats: int) -> list[Row]:
     return rows
 
 
+# ---- 5b. Qwen3 elementwise -----------------------------------------------------------------------
+
+def qwen3_elementwise(repeats: int) -> list[Row]:
+    """SwiGLU and q/k RMSNorm + rotary as the engine compiles them (dynamic shapes) against static
+    compilation, plain torch, and FlashInfer's silu_and_mul."""
+    from engine.models.qwen3 import _qk_norm_rope, _silu_mul, rotary
+
+    static = functools.partial(torch.compile, dynamic=False, fullgraph=True)
+    dynamic = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+    rows: list[Row] = []
+    for tokens in (128, 4096, 16384):
+        gate_up = randn(tokens, 2 * 3072)
+        reference = _silu_mul(gate_up.float())
+        silu = {"compiled dynamic (engine)": dynamic(_silu_mul), "compiled static": static(_silu_mul),
+                "eager silu * up": _silu_mul}
+        try:
+            silu["flashinfer silu_and_mul"] = import_flashinfer().activation.silu_and_mul
+        except Exception as error:  # noqa: BLE001 - recorded as a row
+            rows.append({"shape": f"T={tokens}", "candidate": "flashinfer silu_and_mul", "error": short(error)})
+        for name, fn in silu.items():
+            rows.append(run_candidate(f"silu_mul T={tokens}", name, lambda fn=fn: functools.partial(fn, gate_up),
+                                      reference, repeats))
+        qkv = randn(tokens, (16 + 2 * 8) * 128)
+        q_weight, k_weight = randn(128, scale=0.1) + 1, randn(128, scale=0.1) + 1
+        cos, sin = rotary(torch.arange(tokens, device="cuda"), 128, 1e6, torch.bfloat16)
+        args = (q_weight, k_weight, cos, sin, 1e-6, 16, 8)
+        reference = torch.cat([t.reshape(tokens, -1) for t in _qk_norm_rope(qkv.float(), *(a.float() if isinstance(a, torch.Tensor) else a for a in args))], 1)
+        for name, fn in {"compiled dynamic (engine)": dynamic(_qk_norm_rope), "compiled static": static(_qk_norm_rope)}.items():
+            def build(fn=fn) -> Call:
+                return lambda: torch.cat([t.reshape(tokens, -1) for t in fn(qkv, *args)], 1)
+            rows.append(run_candidate(f"qk_norm_rope T={tokens}", name + " (+ cat for the check)", build, reference, repeats))
+    return rows
+
+
 # ---- 6-7. the engine ------------------------------------------------------------------------------
 
 @functools.cache
@@ -438,6 +473,7 @@ EXPERIMENTS: dict[str, Callable[[int], list[Row]]] = {
     "attention_hd64": attention_hd64,
     "attention_causal_long": attention_causal_long,
     "qwen3_gemms": qwen3_gemms,
+    "qwen3_elementwise": qwen3_elementwise,
     "layer_breakdown": layer_breakdown,
     "big_batches": big_batches,
 }

@@ -85,7 +85,8 @@ class Engine:
         if spec.family == "bert":
             network = BertModel(BertConfig.from_hf(spec.files.config, position_offset(spec.files.config)), Fused(fuse))
         else:
-            network = Qwen3Model(Qwen3Config.from_hf(spec.files.config), Qwen3Ops(fuse))
+            qwen3 = Qwen3Config.from_hf(spec.files.config)
+            network = Qwen3Model(qwen3, Qwen3Ops(fuse, qwen3.head_dim))
         network.load_hf_weights(load_weights(spec.files.path))
         network.requires_grad_(False)
         network.to(device=device, dtype=config.torch_dtype(device)).eval()

@@ -118,20 +118,25 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class Qwen3Ops:
-    """The elementwise steps of a layer, each one kernel through torch.compile on a GPU (see engine.fused
-    for why and when compilation happens); plain torch on the CPU.
+    """The elementwise steps of a layer, each one kernel on a GPU; plain torch on the CPU.
 
-    SwiGLU takes FlashInfer's silu_and_mul where FlashInfer is installed: compiled for every bucket's
-    token count at once (dynamic shapes), Inductor's kernel moved about 1.5 TB/s and took 12% of a
-    4,096-token step; FlashInfer's ran 0.018 ms against 0.052 at 4,096 tokens and 0.072 against 0.201
-    at 16,384 (bench/results/gpu-2026-11-30-run11-qwen3), equal to float32 as closely.
+    On a GPU most are compiled with torch.compile (see engine.fused for why and when). Two are not,
+    because Inductor's kernels, compiled once with dynamic shapes so that every bucket shares them,
+    came out slow (bench/results/gpu-2026-11-30-run11-qwen3): the q/k norm + rotary runs as the
+    Triton kernel of engine.triton_kernels (Inductor: 0.122 ms at 4,096 tokens, 0.071 when compiled
+    for that one shape), and SwiGLU as FlashInfer's silu_and_mul where FlashInfer is installed
+    (0.018 ms at 4,096 tokens and 0.072 at 16,384 against Inductor's 0.052 and 0.201), each as exact.
     """
 
-    def __init__(self, compile: bool) -> None:
+    def __init__(self, compile: bool, head_dim: int = 0) -> None:
         wrap = (lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)) if compile else (lambda fn: fn)
         self.rms_norm = wrap(_rms_norm)
         self.add_rms_norm = wrap(_add_rms_norm)
         self.qk_norm_rope = wrap(_qk_norm_rope)
+        if compile and head_dim > 0 and head_dim & (head_dim - 1) == 0:  # the kernel tiles a power-of-two head
+            from engine.triton_kernels import qk_norm_rope
+
+            self.qk_norm_rope = qk_norm_rope
         self.silu_mul = _flashinfer_silu_mul() if compile and flashinfer_available() else wrap(_silu_mul)
 
 

@@ -1,16 +1,24 @@
-"""`embedctl serve`: the engine behind HTTP, on FastAPI and uvicorn.
+"""`embedctl serve`: the engine behind HTTP, on uvicorn, with FastAPI for everything but the hot path.
 
     POST /v1/embeddings  OpenAI-compatible (texts or token ids; float or base64; dimensions; usage)
     POST /embed          text-embeddings-inference-compatible (inputs, normalize, truncate, dimensions)
     POST /rerank         query + texts (TEI reply) or documents (Cohere-style reply), sorted by score
     GET  /health /metrics /v1/models /docs
 
-A request is tokenized in a thread pool, its sequences join the engine.scheduler queue that every
-client shares, and the event loop awaits an asyncio future that the scheduler thread resolves with
-loop.call_soon_threadsafe, so no request ever blocks the loop on the engine. The engine is loaded
-without normalisation: vectors are cut to `dimensions` and normalised here, per request, which is
-what lets /embed honour `normalize: false`. /rerank scores by the cosine of bi-encoder vectors, or
-with the model itself when it is a cross-encoder (which then has no vectors to serve).
+The app uvicorn runs is _Front, a plain ASGI callable: it checks the API key and the body size,
+records the metrics, and serves the three POST endpoints itself, from the raw body (validated by
+the pydantic models in one pass over the JSON) to reply bytes (orjson, numpy arrays included).
+Everything else, lifespan and /docs included, goes to a FastAPI app, which also describes the POST
+endpoints in the OpenAPI schema. FastAPI's routing, dependency and serialisation layers cost
+several times what the request itself costs on the CPU, and the server runs on one event loop.
+
+A request is tokenized on the event loop when it is short and the engine idle, else in a thread
+pool (the tokenizer releases the GIL, so large requests tokenize in parallel), its sequences join the
+engine.scheduler queue that every client shares, and the loop awaits an asyncio future that the
+scheduler thread resolves through _Wakeups, so no request ever blocks the loop on the engine. The
+engine is loaded without normalisation: vectors are cut to `dimensions` and normalised here, per
+request, which is what lets /embed honour `normalize: false`. /rerank scores by the cosine of
+bi-encoder vectors, or with the model itself when it is a cross-encoder (which then has no vectors).
 
 Not here: batching (engine.scheduler), the model (engine), tokenization rules (pipelines.tokenize).
 """
@@ -20,14 +28,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import bisect
-import json
 import logging
 import os
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -35,11 +42,11 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import numpy as np
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -54,9 +61,9 @@ log = logging.getLogger("embedctl.serve")
 API_KEY_ENV = "EMBEDCTL_API_KEY"
 DRAIN_SECONDS = 30  # how long Ctrl-C / SIGTERM waits for requests in flight before cutting them off
 RETRY_AFTER_SECONDS = 1
-# Responses with more floats than this are encoded to JSON in a worker thread: 100 vectors of 384
-# take tens of milliseconds in json.dumps, which would stall every other client on the loop.
-OFFLOAD_FLOATS = 16384
+# Requests with at most this many characters are tokenized on the event loop: a short query takes
+# about 20 us, less than the hop to the pool and back, which also costs the loop CPU of its own.
+INLINE_CHARS = 512
 WARMUP_RUNS = 3  # a CUDA graph bucket runs eagerly on its first hit, is captured on the second, replays after
 TOKENIZER_THREADS = min(8, os.cpu_count() or 1)
 OPEN_PATHS = ("/health",)
@@ -65,6 +72,9 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05
 TOKEN_BUCKETS = tuple(float(1 << n) for n in range(4, 17))  # 16 ... 65,536 tokens per engine batch
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
                429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+CLIENT_GONE = 499  # the metrics' status for a request whose client disconnected before sending its body
+JSON_HEADER = (b"content-type", b"application/json")
+BODY_PROBLEMS = ("missing", "model_type", "model_attributes_type", "dict_type")  # the body is no JSON object
 
 
 @dataclass(frozen=True)
@@ -176,7 +186,7 @@ def _list_of(value: Any, kind: type) -> bool:
 
 
 def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = ServeLimits(),
-               api_key: str | None = None, normalize: bool | None = None) -> FastAPI:
+               api_key: str | None = None, normalize: bool | None = None) -> ASGIApp:
     """The HTTP app over a loaded engine. Serving it (uvicorn) starts the scheduler and the warm-up.
 
     engine must be loaded with normalize=False: vectors are normalised per request here.
@@ -191,7 +201,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        service.start()
+        service.start(asyncio.get_running_loop())
         warm_up = asyncio.create_task(service.warm_up())
         yield
         warm_up.cancel()
@@ -199,50 +209,20 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
 
     app = FastAPI(title="embedctl", version="0.1.0", lifespan=lifespan,
                   description=f"Embeddings and ranking with {engine.files.name}.")
-    app.add_middleware(_Guard, api_key=api_key, max_bytes=limits.max_request_bytes, metrics=service.metrics)
     app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
 
+    # _Front serves these three; FastAPI only describes them in /docs and answers 405 to other methods.
     @app.post("/v1/embeddings", response_model=EmbeddingsResponse)
-    async def embeddings(body: EmbeddingsRequest) -> Response:
+    async def embeddings(body: EmbeddingsRequest) -> None:
         """OpenAI-compatible embeddings. Over-long inputs are truncated to the model's max length."""
-        service.check_model(body.model)
-        service.check_vectors(body.dimensions)
-        encoded = await service.encode_input(body.input)
-        vectors = service.finish(await service.run(encoded), body.dimensions, service.normalize)
-        tokens = sum(len(ids) for ids in encoded.ids)
-        return await service.reply({
-            "object": "list",
-            "data": [{"object": "embedding", "index": i, "embedding": _encode_vector(v, body.encoding_format)}
-                     for i, v in enumerate(vectors)],
-            "model": service.name,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }, vectors.size if body.encoding_format == "float" else 0)
 
     @app.post("/embed", response_model=list[list[float]])
-    async def embed(body: EmbedRequest) -> Response:
+    async def embed(body: EmbedRequest) -> None:
         """text-embeddings-inference-compatible embeddings: one vector per input, in order."""
-        service.check_vectors(body.dimensions)
-        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        encoded = await service.encode_texts(texts, "inputs", body.truncate)
-        vectors = service.finish(await service.run(encoded), body.dimensions, body.normalize)
-        return await service.reply(vectors, vectors.size)
 
     @app.post("/rerank", response_model=Union[list[RankedText], dict[str, Any]])
-    async def rerank(body: RerankRequest) -> Response:
+    async def rerank(body: RerankRequest) -> None:
         """Documents sorted by relevance to the query, best first (ties in input order)."""
-        service.check_model(body.model)
-        cohere = body.documents is not None
-        texts = body.documents if cohere else body.texts
-        scores, tokens = await service.scores(body.query, texts, body.truncate, "documents" if cohere else "texts")
-        order = np.argsort(-scores, kind="stable")[: body.top_n]
-        with_text = body.return_documents or body.return_text
-        if cohere:
-            results = [{"index": int(i), "relevance_score": float(scores[i]),
-                        **({"document": {"text": texts[i]}} if with_text else {})} for i in order]
-            return await service.reply({"model": service.name, "results": results, "usage": {"total_tokens": tokens}}, 0)
-        return await service.reply([{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if with_text else {})}
-                                    for i in order], 0)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -263,7 +243,9 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
         return {"object": "list", "data": [{"id": service.name, "object": "model", "created": service.started,
                                             "owned_by": "embedctl"}]}
 
-    return app
+    routes = {"/v1/embeddings": (EmbeddingsRequest, service.embeddings), "/embed": (EmbedRequest, service.embed),
+              "/rerank": (RerankRequest, service.rerank)}
+    return _Front(app, routes, api_key, limits.max_request_bytes, service.metrics)
 
 
 def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> None:
@@ -285,7 +267,7 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
 
 
 class _Service:
-    """What the routes share: the engine, the tokenizer pool, the scheduler, the metrics."""
+    """What the endpoints share: the engine, the tokenizer pool, the scheduler, the metrics."""
 
     def __init__(self, engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits, normalize: bool) -> None:
         self.engine, self.tokenizer, self.limits, self.normalize = engine, tokenizer, limits, normalize
@@ -296,11 +278,13 @@ class _Service:
         self.metrics = _Metrics()
         self.scheduler: Scheduler | None = None
         self.pool: ThreadPoolExecutor | None = None
+        self.wakeups: _Wakeups | None = None
         self.ready = False
         self.warm_error: str | None = None
 
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="embedctl-tokenize")
+        self.wakeups = _Wakeups(loop)
         self.scheduler = Scheduler(self.engine, self.limits.max_queue, on_batch=self.metrics.observe_batch)
 
     def stop(self) -> None:
@@ -309,7 +293,7 @@ class _Service:
 
     async def warm_up(self) -> None:
         try:
-            encoded = await self.offload(self.tokenizer.encode, ["warm up"])
+            encoded = await self.encode_texts(["warm up"], "input", truncate=True)
             for _ in range(WARMUP_RUNS):
                 await self.run(encoded)
         except Exception as error:  # noqa: BLE001 - reported by /health instead of killing the server
@@ -317,6 +301,42 @@ class _Service:
             self.warm_error = short_reason(error)
             return
         self.ready = True
+
+    # The endpoints: a validated request in, the reply's JSON bytes out, or an ApiError.
+
+    async def embeddings(self, body: EmbeddingsRequest) -> bytes:
+        self.check_model(body.model)
+        self.check_vectors(body.dimensions)
+        encoded = await self.encode_input(body.input)
+        vectors = self.finish(await self.run(encoded), body.dimensions, self.normalize)
+        if body.encoding_format == "base64":  # little-endian float32, as OpenAI's clients decode it
+            rows: Sequence[Any] = [base64.b64encode(row).decode() for row in vectors.astype("<f4", copy=False)]
+        else:
+            rows = vectors
+        tokens = sum(len(ids) for ids in encoded.ids)
+        return _dumps({"object": "list",
+                       "data": [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)],
+                       "model": self.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def embed(self, body: EmbedRequest) -> bytes:
+        self.check_vectors(body.dimensions)
+        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        encoded = await self.encode_texts(texts, "inputs", body.truncate)
+        return _dumps(self.finish(await self.run(encoded), body.dimensions, body.normalize))
+
+    async def rerank(self, body: RerankRequest) -> bytes:
+        self.check_model(body.model)
+        cohere = body.documents is not None
+        texts = body.documents if cohere else body.texts
+        scores, tokens = await self.scores(body.query, texts, body.truncate, "documents" if cohere else "texts")
+        order = np.argsort(-scores, kind="stable")[: body.top_n]
+        with_text = body.return_documents or body.return_text
+        if cohere:
+            results = [{"index": int(i), "relevance_score": float(scores[i]),
+                        **({"document": {"text": texts[i]}} if with_text else {})} for i in order]
+            return _dumps({"model": self.name, "results": results, "usage": {"total_tokens": tokens}})
+        return _dumps([{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if with_text else {})}
+                       for i in order])
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
@@ -350,12 +370,22 @@ class _Service:
 
     async def encode_texts(self, texts: Sequence[str], field: str, truncate: bool) -> Encoded:
         self.check_texts(texts, field)
-        encoded = await self.offload(self.tokenizer.encode, texts)
+        encoded = await self.tokenize(self.tokenizer.encode, texts)
         self.check_truncation(encoded, field, truncate)
         return encoded
 
-    def check_texts(self, texts: Sequence[str], field: str, extra: int = 0) -> None:
-        self.check_count(len(texts) + extra, field)
+    async def tokenize(self, encode: Callable[..., Encoded], *texts: Sequence[str]) -> Encoded:
+        """encode(*texts) on the loop when the texts are short and the engine is idle, else in the pool.
+
+        The tokenizer releases the GIL while it works; a busy scheduler thread takes it, and the loop
+        then waits to get it back for longer than the hop to the pool would have cost.
+        """
+        if self.scheduler.stats.depth == 0 and sum(len(text) for group in texts for text in group) <= INLINE_CHARS:
+            return encode(*texts)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, encode, *texts)
+
+    def check_texts(self, texts: Sequence[str], field: str) -> None:
+        self.check_count(len(texts), field)
         for i, text in enumerate(texts):
             if not text or text.isspace():
                 raise ApiError(422, f"{field}[{i}] is blank; send text with at least one non-space character")
@@ -379,11 +409,11 @@ class _Service:
             raise ApiError(422, "query is blank; send text with at least one non-space character")
         self.check_texts(texts, field)
         if self.engine.num_labels:
-            encoded = await self.offload(self.tokenizer.encode_pairs, [query] * len(texts), texts)
+            encoded = await self.tokenize(self.tokenizer.encode_pairs, [query] * len(texts), texts)
             self.check_truncation(encoded, field, truncate)
             scores = (await self.run(encoded))[:, 0]
         else:
-            encoded = await self.offload(self.tokenizer.encode, [query, *texts])
+            encoded = await self.tokenize(self.tokenizer.encode, [query, *texts])
             self.check_truncation(Encoded(encoded.ids[1:], encoded.truncated[1:]), field, truncate)
             if not truncate and encoded.truncated[0]:
                 raise ApiError(422, f"query is longer than the model's max length of {self.engine.max_length} tokens "
@@ -394,14 +424,9 @@ class _Service:
 
     async def run(self, encoded: Encoded) -> np.ndarray:
         """The engine's rows for these sequences, awaited without blocking the loop."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-
-        def done(outcome: np.ndarray | BaseException) -> None:
-            loop.call_soon_threadsafe(_settle, future, outcome)
-
+        future = self.wakeups.loop.create_future()
         try:
-            self.scheduler.submit(encoded.ids, done, encoded.type_ids)
+            self.scheduler.submit(encoded.ids, lambda outcome: self.wakeups.settle(future, outcome), encoded.type_ids)
         except QueueFull as error:
             raise ApiError(429, f"the server is busy: {error}; retry after {RETRY_AFTER_SECONDS} s",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
@@ -419,129 +444,175 @@ class _Service:
             vectors = vectors[:, :dimensions]
         if normalize:
             vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-        return vectors
-
-    async def offload(self, function: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, function, *args)
-
-    async def reply(self, payload: Any, floats: int) -> Response:
-        if floats > OFFLOAD_FLOATS:
-            content = await self.offload(_dumps, payload)
-        else:
-            content = _dumps(payload)
-        return Response(content, media_type="application/json")
+        return np.ascontiguousarray(vectors)  # orjson writes C-contiguous arrays only
 
 
-def _settle(future: asyncio.Future, outcome: np.ndarray | BaseException) -> None:
-    if not future.done():
-        future.set_result(outcome)
+class _Wakeups:
+    """Resolves the loop's futures from the scheduler thread.
+
+    Each call_soon_threadsafe wakes the loop and costs it a callback; the scheduler answers a whole
+    batch of requests at once, so their outcomes are queued here and the loop is woken once for all.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._queued: list[tuple[asyncio.Future, np.ndarray | BaseException]] = []
+
+    def settle(self, future: asyncio.Future, outcome: np.ndarray | BaseException) -> None:
+        """Called from any thread: future gets outcome on the loop's next turn."""
+        with self._lock:
+            self._queued.append((future, outcome))
+            first = len(self._queued) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            queued, self._queued = self._queued, []
+        for future, outcome in queued:
+            if not future.done():  # the request awaiting it was cancelled
+                future.set_result(outcome)
 
 
 def _dumps(payload: Any) -> bytes:
-    if isinstance(payload, np.ndarray):
-        payload = payload.tolist()
-    return json.dumps(payload, separators=(",", ":")).encode()
-
-
-def _encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:
-    if encoding_format == "base64":  # little-endian float32, as OpenAI's clients decode it
-        return base64.b64encode(vector.astype("<f4").tobytes()).decode()
-    return vector.tolist()
+    # numpy arrays are written from their buffer, float32 in its shortest exact form
+    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 # Errors: one JSON shape everywhere, OpenAI's {"error": {"message", "type", "code"}}, which its clients read.
 
-def _error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = ERROR_TYPES.get(status, "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status, headers=headers)
+def _error_body(status: int, message: str) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                                   "code": status}})
 
 
-async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
+async def _http_error(_: Request, error: HTTPException) -> Response:
+    """FastAPI's own refusals, reworded: no such endpoint, or not that method."""
     message = error.detail
-    if not isinstance(error, ApiError) and error.status_code == 404:
+    if error.status_code == 404:
         message = "no such endpoint; see /docs for the ones this server has"
-    elif not isinstance(error, ApiError) and error.status_code == 405:
+    elif error.status_code == 405:
         message = "this endpoint does not take that method; see /docs"
-    return _error_response(error.status_code, message, error.headers)
+    return Response(_error_body(error.status_code, message), error.status_code, error.headers,
+                    media_type="application/json")
 
 
-async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-    problems = error.errors()
-    first = problems[0] if problems else {}
-    if first.get("type") == "json_invalid":
-        reason = (first.get("ctx") or {}).get("error", "")
-        return _error_response(400, f"the request body is not valid JSON ({reason}); send a JSON object")
+def _invalid(error: ValidationError) -> ApiError:
+    """A request body that does not fit its endpoint's model, as one message naming up to three problems."""
+    problems = error.errors(include_url=False)
+    if problems[0]["type"] == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON ({problems[0]['ctx']['error']}); send a JSON object")
     parts = []
     for problem in problems[:3]:
-        where = ".".join(str(part) for part in problem["loc"] if part != "body") or "body"
+        where = ".".join(str(part) for part in problem["loc"]) or "body"
         message = problem["msg"].removeprefix("Value error, ")
         if problem["type"] == "extra_forbidden":
             message = "is not a field of this endpoint; see /docs for the ones it reads"
-        elif where == "body" and problem["type"] in ("missing", "model_attributes_type", "dict_type"):
+        elif where == "body" and problem["type"] in BODY_PROBLEMS:
             message = "must be a JSON object with this endpoint's fields; see /docs"
         parts.append(f"{where}: {message}")
-    return _error_response(422, "; ".join(parts))
+    return ApiError(422, "; ".join(parts))
 
 
-class _Guard:
-    """Pure ASGI middleware: API key, request size, and the request metrics, before any routing."""
+Handler = Callable[[Any], Awaitable[bytes]]
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_bytes: int, metrics: _Metrics) -> None:
-        self.app = app
+
+class _Front:
+    """The ASGI app uvicorn runs: API key, body size and metrics for every request; the POST endpoints
+    served here, straight from body bytes to reply bytes; the rest handed to FastAPI."""
+
+    def __init__(self, api: FastAPI, routes: dict[str, tuple[type[BaseModel], Handler]], api_key: str | None,
+                 max_bytes: int, metrics: _Metrics) -> None:
+        self.api = api
+        self.routes = routes
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_bytes = max_bytes
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+        if scope["type"] != "http":  # lifespan
+            await self.api(scope, receive, send)
             return
         started = time.perf_counter()
+        path = scope["path"]
         status = 500
-
-        async def send_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
         try:
             refusal = self._refusal(scope)
+            route = self.routes.get(path) if scope["method"] == "POST" else None
             if refusal is not None:
-                await refusal(scope, receive, send_status)
+                status = await _refuse(send, refusal)
+            elif route is not None:
+                status = await self._serve(*route, receive, send)
             else:
-                await self.app(scope, self._limited(receive), send_status)
-        finally:
-            self.metrics.observe_request(scope["path"], status, time.perf_counter() - started)
+                async def send_status(message: Message) -> None:
+                    nonlocal status
+                    if message["type"] == "http.response.start":
+                        status = message["status"]
+                    await send(message)
 
-    def _refusal(self, scope: Scope) -> Response | None:
+                await self.api(scope, receive, send_status)
+        finally:
+            self.metrics.observe_request(path, status, time.perf_counter() - started)
+
+    async def _serve(self, model: type[BaseModel], handler: Handler, receive: Receive, send: Send) -> int:
+        try:
+            body = await self._body(receive)
+            if body is None:
+                return CLIENT_GONE
+            try:
+                request = model.model_validate_json(body)
+            except ValidationError as error:
+                raise _invalid(error) from None
+            return await _reply(send, 200, await handler(request))
+        except ApiError as error:
+            return await _refuse(send, error)
+        except Exception:  # noqa: BLE001 - one broken request gets a 500; the server goes on
+            log.exception("request failed")
+            return await _refuse(send, ApiError(500, "the server failed on this request; see the server log"))
+
+    async def _body(self, receive: Receive) -> bytes | None:
+        """The whole request body; 413 once it grows past the limit; None if the client went away."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                raise ApiError(413, self._too_large())
+            if not message.get("more_body", False):
+                return b"".join(chunks)  # the one chunk itself when there is only one
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        """What refuses the request before its body is read: a missing or wrong key, a too-large Content-Length."""
         headers = dict(scope["headers"])
         if self.expected is not None and scope["path"] not in OPEN_PATHS and not secrets.compare_digest(
                 headers.get(b"authorization", b""), self.expected):
-            return _error_response(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
-                                   {"WWW-Authenticate": "Bearer"})
+            return ApiError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                            {"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return _error_response(413, self._too_large())
+            return ApiError(413, self._too_large())
         return None
-
-    def _limited(self, receive: Receive) -> Receive:
-        """receive(), failing with 413 once a body without a Content-Length grows past the limit."""
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise ApiError(413, self._too_large())  # FastAPI re-raises HTTPExceptions from reading the body
-            return message
-
-        return limited
 
     def _too_large(self) -> str:
         return (f"the request body is larger than this server's --max-request-bytes {self.max_bytes}; "
                 "send fewer or shorter inputs per request")
+
+
+async def _reply(send: Send, status: int, content: bytes, headers: dict[str, str] | None = None) -> int:
+    """A JSON response, in two ASGI messages; returns the status for the metrics."""
+    raw = [JSON_HEADER, (b"content-length", str(len(content)).encode())]
+    raw += [(name.lower().encode(), value.encode()) for name, value in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": content})
+    return status
+
+
+async def _refuse(send: Send, error: ApiError) -> int:
+    return await _reply(send, error.status_code, _error_body(error.status_code, error.detail), error.headers)
 
 
 class _Histogram:

@@ -156,6 +156,9 @@ def test_openai_client_gets_the_vectors_of_embedctl_index(server: Server, client
         np.testing.assert_allclose(np.array([item.embedding for item in reply.data]), vectors, atol=1e-5)
         assert reply.usage.prompt_tokens == reply.usage.total_tokens == n_tokens.sum()
         assert reply.model == name
+    # JSON floats are float32 in their shortest form: they read back as exactly the base64 bytes
+    np.testing.assert_array_equal(np.array([item.embedding for item in as_float.data], dtype=np.float32),
+                                  np.array([item.embedding for item in as_base64.data], dtype=np.float32))
     np.testing.assert_allclose(one.data[0].embedding, vectors[3], atol=1e-5)
     # 31 texts of up to 256 tokens under a 512-token budget: each request was split over many batches
     assert metric(client, "embedctl_batch_tokens_count") - batches_before >= 2 * n_tokens.sum() / LIMITS["max_batch_tokens"]
@@ -180,8 +183,8 @@ def test_dimensions_cut_then_renormalise_and_embed_can_return_raw_vectors(client
     raw = np.array(client.post("/embed", json={"inputs": texts[:4], "normalize": False}).json())
     assert not np.allclose(np.linalg.norm(raw, axis=1), 1, atol=1e-2)  # MiniLM's mean-pooled vectors are not unit
     np.testing.assert_allclose(unit(raw), vectors, atol=1e-5)
-    raw_short = np.array(client.post("/embed", json={"inputs": texts[0], "normalize": False, "dimensions": 32}).json())
-    np.testing.assert_allclose(raw_short, raw[:1, :32], atol=1e-5)
+    raw_short = np.array(client.post("/embed", json={"inputs": texts[:3], "normalize": False, "dimensions": 32}).json())
+    np.testing.assert_allclose(raw_short, raw[:3, :32], atol=1e-5)
 
 
 def test_rerank_sorts_documents_by_cosine(client: httpx.Client, texts, indexed) -> None:
@@ -210,6 +213,8 @@ def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, mi
     assert re.search(r'embedctl_requests_total\{endpoint="/v1/models",status="200"\} [1-9]', text)
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/embeddings", "/embed", "/rerank", "/health", "/metrics", "/v1/models"} <= set(paths)
+    for path in ("/v1/embeddings", "/embed", "/rerank"):  # served outside FastAPI, still described by it
+        assert "requestBody" in paths[path]["post"]
     assert client.get("/docs").status_code == 200
 
 
@@ -243,6 +248,7 @@ ERRORS = [
     ("texts and documents", "/rerank", {"query": "q", "texts": ["a"], "documents": ["b"]}, KEY, 422, "exactly one"),
     ("blank query", "/rerank", {"query": " ", "texts": ["a"]}, KEY, 422, "query is blank"),
     ("no such endpoint", "/v2/embeddings", {"input": "x"}, KEY, 404, "no such endpoint"),
+    ("wrong method", "/embed", None, KEY, 405, "does not take that method"),
 ]
 
 
@@ -272,6 +278,14 @@ def test_body_without_length_is_cut_off_at_the_limit(client: httpx.Client) -> No
 
     reply = client.post("/embed", content=chunks(), headers={"Content-Type": "application/json"})
     assert reply.status_code == 413 and "--max-request-bytes" in reply.json()["error"]["message"]
+
+
+def test_body_in_many_chunks_is_read_whole(client: httpx.Client, texts, indexed) -> None:
+    body = json.dumps({"inputs": texts[1:4]}).encode()
+    reply = client.post("/embed", content=(body[i: i + 100] for i in range(0, len(body), 100)),
+                        headers={"Content-Type": "application/json"})
+    assert reply.status_code == 200, reply.text
+    np.testing.assert_allclose(reply.json(), indexed[0][1:4], atol=1e-5)
 
 
 def test_full_queue_gets_429_with_retry_after_then_serves_again(client: httpx.Client, server: Server) -> None:

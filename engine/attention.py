@@ -150,11 +150,16 @@ def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
 
     On the CPU only sdpa exists. On a GPU, "auto" takes FlashInfer where its kernels cover the
     head_dim (64/128/256) and it is installed, and varlen_attn otherwise (MiniLM's head_dim 32,
-    machines without flashinfer). The evidence so far (bench/results/README.md): for BERT-base at
-    batch 1 FlashInfer's graphs ran 0.61 / 0.63 / 0.80 ms at 16 / 128 / 512 tokens against
-    0.61-0.82 / 0.83 / 1.00 ms for varlen_attn, plan() included; at large batches FA2 attention was
-    21% of BERT-base's GPU time, which Hopper's fa3 kernel should shrink, but that comparison has
-    not run yet. Pass --attention to override.
+    machines without flashinfer). The evidence, per kernel on the H200 inside CUDA graphs
+    (bench/results/gpu-2026-11-30-run10-kernels): BERT-base's 12 x 64 heads, 32 x 512 tokens,
+    FlashInfer fa3 0.079 ms against varlen 0.107, and 128 x 128 tokens 0.046 against 0.051; Qwen3's
+    causal 16 x 128 heads with 8 k/v heads, one 4,096-token sequence, 0.137 against 0.364 (503 against
+    189 TFLOP/s), and 0.011 against 0.033 at 512. FlashInfer cannot run head_dim 32; padding MiniLM's
+    heads to 64 for it cost more than varlen's whole kernel (0.157 against 0.056 ms at 64 x 256).
+    End to end, Qwen3-0.6B ran 449k tok/s with FlashInfer against 376k with varlen (run7). Not
+    measured into the rule yet: in small steps plan() is paid each time, and the cross-encoder's
+    8-pair steps ranked 50 pairs in 26.5 ms with FlashInfer against 19.3 with varlen (run6, run7).
+    Pass --attention to override.
     """
     if device.type != "cuda":
         if requested not in ("auto", "sdpa"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "me
 # sentence-transformers modules that quantise the output, by class name, and the scheme each applies.
 # pplx-embed-v1's st_quantize.FlexibleQuantizer turns each component x into round(tanh(x) * 127).
 QUANTIZERS = {"FlexibleQuantizer": "int8"}
+DIGEST_CACHE_ENTRIES = 64  # weight digests remembered (engine.checkpoint.weights_digest)
 
 
 @dataclass(frozen=True)
@@ -119,13 +121,43 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def weights_digest(path: Path) -> str:
-    """sha256 over the weight files, so an output table records exactly which weights made it."""
+    """sha256 over the weight files, so an output table records exactly which weights made it.
+
+    Every index run needs it, one with nothing to embed too, and hashing reads every byte (16 GB for
+    an 8B model); so it is remembered in the user's cache under each weight file's path, size and
+    modification time, as build tools remember what they built. A cache that cannot be read or
+    written costs the hashing again, nothing else.
+    """
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    key = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    cache = _digest_cache()
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if key in known:
+        return known[key]
     digest = hashlib.sha256()
-    for file in sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file()):
+    for file in files:
         with open(file, "rb") as handle:
             while block := handle.read(1 << 22):
                 digest.update(block)
-    return digest.hexdigest()
+    value = digest.hexdigest()
+    known = dict(list(known.items())[-(DIGEST_CACHE_ENTRIES - 1):]) | {key: value}
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staged = cache.with_name(f".{cache.name}.{os.getpid()}")
+        staged.write_text(json.dumps(known))
+        staged.replace(cache)  # atomic: a concurrent run reads the old cache or the new one
+    except OSError:
+        pass
+    return value
+
+
+def _digest_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "embedctl" / "weights-sha256.json"
 
 
 def position_offset(config: dict) -> int:

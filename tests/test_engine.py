@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import embedctl
 from engine import Engine, EngineConfig, PackedBatch, Packer, UserError
+from engine.checkpoint import weights_digest
 from engine.graphs import all_buckets, all_shapes, bucket_for, slots_for
 from engine.pooling import pool
 from tests.models import save_random_model
@@ -209,3 +213,33 @@ def test_config_rejects_nonsense() -> None:
         EngineConfig(dtype="int4")
     with pytest.raises(UserError, match="attention"):
         EngineConfig(attention="magic")
+
+
+def test_weights_digest_is_remembered_by_path_size_and_mtime(random_bert, tmp_path, monkeypatch) -> None:
+    """Every index run records the weights' sha256; hashing a big model on each cron run would cost
+    seconds, so the digest is cached per file path, size and modification time."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    weights = random_bert / "model.safetensors"
+    original = weights.read_bytes()
+    assert weights_digest(random_bert) == hashlib.sha256(original).hexdigest()
+
+    changed = original[:-1] + bytes([original[-1] ^ 1])
+    stat = weights.stat()
+    weights.write_bytes(changed)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights_digest(random_bert) == hashlib.sha256(original).hexdigest()  # same path, size, time: not re-read
+
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert weights_digest(random_bert) == hashlib.sha256(changed).hexdigest()
+    (tmp_path / "cache" / "embedctl" / "weights-sha256.json").write_text("[not a cache")
+    assert weights_digest(random_bert) == hashlib.sha256(changed).hexdigest()  # a broken cache is rebuilt
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"device": "cpu", "attention": "flashinfer"}, "needs a CUDA GPU; use --attention sdpa on the CPU"),
+    ({"device": "cuda", "dtype": "fp32"}, "--dtype fp32 runs on the CPU only"),
+    ({"device": "cuda:1", "dtype": "float32"}, "--dtype fp32 runs on the CPU only"),
+])
+def test_options_that_cannot_run_together_are_refused_before_any_model_loads(options: dict, message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        EngineConfig(**options)

@@ -23,7 +23,7 @@ import torch
 from engine.attention import Attention, AttentionLayout, FlashInferAttention, SdpaAttention, VarlenAttention, choose_backend
 from engine.batch import Packer, PackedBatch
 from engine.checkpoint import load_weights, position_offset, resolve_model
-from engine.config import EngineConfig
+from engine.config import GPU_FP32, EngineConfig
 from engine.errors import UserError
 from engine.fused import Fused
 from engine.graphs import GraphRunner, GraphStats
@@ -56,10 +56,7 @@ class Engine:
         # step() gives float32 always (an int8 model's values are whole numbers, exact in float32);
         # embed() and the writers give vector_dtype.
         self.vector_dtype = spec.vector_dtype
-        self.max_batch_tokens = config.batch_tokens(device, self.max_length)
-        if self.max_length > self.max_batch_tokens:
-            raise UserError(f"--max-batch-tokens {self.max_batch_tokens} is smaller than the max length "
-                            f"{self.max_length}; raise it or lower --max-length")
+        self.max_batch_tokens = config.batch_tokens(device, self.max_length)  # spec checked a user's budget
         self.attention = choose_backend(config.attention, device, model.head_dim)
         self.runner: GraphRunner | None = None
         self._flashinfer_workspace: torch.Tensor | None = None
@@ -80,6 +77,9 @@ class Engine:
         config = config or EngineConfig()
         spec = model if isinstance(model, ModelSpec) else ModelSpec.of(resolve_model(model), config)
         device = config.torch_device()
+        dtype = config.torch_dtype(device)
+        if device.type == "cuda" and dtype == torch.float32:
+            raise UserError(GPU_FP32)
         fuse = device.type == "cuda" and config.compile
         network: BertModel | Qwen3Model
         if spec.family == "bert":
@@ -89,7 +89,7 @@ class Engine:
             network = Qwen3Model(qwen3, Qwen3Ops(fuse, qwen3.head_dim))
         network.load_hf_weights(load_weights(spec.files.path))
         network.requires_grad_(False)
-        network.to(device=device, dtype=config.torch_dtype(device)).eval()
+        network.to(device=device, dtype=dtype).eval()
         return cls(network, spec, config, device)
 
     def forward(self, inputs: torch.Tensor, tokens: int, slots: int, attention: Attention) -> torch.Tensor:

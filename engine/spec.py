@@ -36,7 +36,10 @@ class ModelSpec:
 
     @classmethod
     def of(cls, files: ModelFiles, config: EngineConfig) -> ModelSpec:
-        """The spec for `files` run with `config`; UserError for a model or an option that cannot work."""
+        """The spec for `files` run with `config`; UserError for a model or an option that cannot work.
+
+        Every check that needs no torch is here, so that a run with nothing to embed refuses a
+        bad option as a run with work would (EngineConfig checks the options among themselves)."""
         model_type = files.config.get("model_type")
         if model_type in BERT_FAMILY:
             family, labels = "bert", classifier_labels(files.config)
@@ -48,6 +51,9 @@ class ModelSpec:
             raise UserError(f"model type {model_type!r} is not supported yet; embedctl runs "
                             f"{', '.join(BERT_FAMILY + QWEN3_FAMILY)} models")
         max_length = min(config.max_length or files.max_length, max_positions)
+        if config.max_batch_tokens is not None and config.max_batch_tokens < max_length:
+            raise UserError(f"--max-batch-tokens {config.max_batch_tokens} is smaller than the max length "
+                            f"{max_length}; raise it or lower --max-length")
         if labels:
             if config.dim is not None or config.normalize:
                 raise UserError(f"{files.name} is a cross-encoder: it scores pairs and has no vectors to cut "

@@ -248,6 +248,12 @@ def test_an_up_to_date_output_is_checked_without_loading_the_model(work: Path) -
     done = report(work, "u.json")
     assert (done["unchanged"], done["rows_written"], done["device"], done["graphs"]) == (100, 0, None, {})
 
+    # A bad option is refused with nothing to embed too, not only once a row changes.
+    too_small = run(work, "u.jsonl", "u.lance", "--max-batch-tokens", "10")
+    assert_one_error_line(too_small, "--max-batch-tokens 10 is smaller than the max length 128")
+    gpu_only = run(work, "u.jsonl", "u.lance", "--device", "cpu", "--attention", "varlen")
+    assert_one_error_line(gpu_only, "attention backend 'varlen' needs a CUDA GPU")
+
     write_jsonl(work / "u.jsonl", documents(101, seed=4))  # one row more: now the model loads
     assert run(work, "u.jsonl", "u.lance", "--report", "u.json").returncode == 0
     assert report(work, "u.json")["device"] == "cpu"

@@ -93,7 +93,7 @@ def index(
     dtype: DtypeOpt = None,
     attention: Annotated[str, typer.Option(help="auto, sdpa, varlen or flashinfer.")] = "auto",
     eager: Annotated[bool, typer.Option(help="Run without CUDA graphs.")] = False,
-    fuse: Annotated[bool, typer.Option("--compile/--no-compile", help="Fuse residual+LayerNorm with torch.compile on a GPU.")] = True,
+    fuse: Annotated[bool, typer.Option("--compile/--no-compile", help="Fused kernels on a GPU (norms via torch.compile, GELU in the GEMM epilogue, Qwen3's Triton and FlashInfer steps); --no-compile runs plain torch ops.")] = True,
     warmup: Annotated[bool, typer.Option(help="Capture every CUDA graph bucket before starting.")] = False,
     report: Annotated[Optional[Path], typer.Option(help="Write the run's summary as JSON to this file.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
@@ -221,7 +221,7 @@ def serve(
     dtype: DtypeOpt = None,
     attention: Annotated[str, typer.Option(help="auto, sdpa, varlen or flashinfer.")] = "auto",
     eager: Annotated[bool, typer.Option(help="Run without CUDA graphs.")] = False,
-    fuse: Annotated[bool, typer.Option("--compile/--no-compile", help="Fuse residual+LayerNorm with torch.compile on a GPU.")] = True,
+    fuse: Annotated[bool, typer.Option("--compile/--no-compile", help="Fused kernels on a GPU (norms via torch.compile, GELU in the GEMM epilogue, Qwen3's Triton and FlashInfer steps); --no-compile runs plain torch ops.")] = True,
     warmup: Annotated[bool, typer.Option(help="Capture every CUDA graph bucket before serving.")] = False,
     access_log: Annotated[bool, typer.Option(help="Log one line per request.")] = False,
 ) -> None:

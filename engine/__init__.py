@@ -5,7 +5,7 @@ layer; pipelines/ and embedctl/ do that and drive it through Engine.step().
 
 The names that need torch (Engine, LazyTensor) load on first use: what a model outputs
 (engine.spec) and how to run it (EngineConfig) are known without torch, which an up-to-date re-index
-relies on to finish in a fraction of a second.
+relies on to finish without loading the model.
 """
 
 from importlib import import_module

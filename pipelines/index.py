@@ -81,7 +81,8 @@ class IndexReport:
     truncated: int = 0
     skipped_empty: int = 0
     skipped_duplicate: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # the run, less load_seconds
+    load_seconds: float = 0.0  # loading the model, when a row needed it
     graphs: dict = field(default_factory=dict)
 
     @property
@@ -95,8 +96,11 @@ class IndexReport:
     def summary(self) -> str:
         return (f"{self.rows_written + self.unchanged:,} rows: {self.added:,} added, {self.updated:,} updated, "
                 f"{self.unchanged:,} unchanged, {self.deleted:,} deleted; {self.tokens:,} tokens in {self.seconds:.1f} s "
-                f"({self.tokens_per_second:,.0f} tokens/s); {self.truncated:,} truncated, {self.skipped:,} skipped "
-                f"-> {self.output}")
+                f"({self.tokens_per_second:,.0f} tokens/s{self._load()}); {self.truncated:,} truncated, "
+                f"{self.skipped:,} skipped -> {self.output}")
+
+    def _load(self) -> str:
+        return f", after {self.load_seconds:.1f} s loading the model" if self.load_seconds else ""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "skipped": self.skipped,
@@ -131,6 +135,7 @@ class IndexModel:
         self.spec = spec
         self._load_engine = load_engine
         self.engine: Engine | None = None
+        self.load_seconds = 0.0
 
     @classmethod
     def loaded(cls, engine: Engine) -> IndexModel:
@@ -145,7 +150,9 @@ class IndexModel:
 
     def load(self) -> Engine:
         if self.engine is None:
+            started = time.perf_counter()
             self.engine = self._load_engine(self.spec)
+            self.load_seconds = time.perf_counter() - started
         return self.engine
 
 
@@ -177,6 +184,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
     options = replace(options, prompt=resolve_prompt(spec.files, "document", options.prompt, options.prompt_name),
                       prompt_name=None)
     report = IndexReport(output=options.out, model=spec.files.name)
+    loaded_before = model.engine is not None
     started = time.perf_counter()
     flow = _Flow()
     store: VectorStore | None = None
@@ -204,7 +212,8 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
         raise
     if progress is not None:
         progress(report.rows_written + report.unchanged + report.skipped, report.tokens, reader.total_rows)
-    report.seconds = time.perf_counter() - started
+    report.load_seconds = model.load_seconds if model.engine is not None and not loaded_before else 0.0
+    report.seconds = time.perf_counter() - started - report.load_seconds
     if model.engine is not None:
         report.device, report.graphs = str(model.engine.device), asdict(model.engine.stats)
     return report

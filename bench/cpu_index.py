@@ -94,6 +94,8 @@ def make_input(corpus: str, docs: int, path: Path) -> pa.Table:
             keep.append(row)
             if len(keep) == docs:
                 break
+    if len(keep) < docs:
+        sys.exit(f"{corpus} has only {len(keep)} usable rows; pass --docs {len(keep)} or another --corpus")
     table = table.take(keep)
     pq.write_table(table, path)
     return table

@@ -12,7 +12,7 @@ What it measures (issue 6: re-indexing an unchanged corpus costs under 5% of the
 
 Results: a section appended to bench/results/reindex.md.
 
-    python bench/reindex.py [--docs 10000] [--repeats 3] [--corpus PATH] [--device cuda] [--model DIR]
+    python -m bench.reindex [--docs 10000] [--repeats 3] [--corpus PATH] [--device cuda] [--model DIR]
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
+
+from bench.cpu_index import make_input
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "reindex.md"
@@ -56,24 +56,6 @@ def parse_args() -> argparse.Namespace:
         args.out.mkdir(parents=True, exist_ok=True)
         args.results = args.out / "reindex.md"
     return args
-
-
-def make_input(corpus: str, docs: int, path: Path) -> pa.Table:
-    """The first `docs` rows with a usable text and a new id, written to `path` as (id, text)."""
-    table = pq.read_table(corpus, columns=["id", "text"])
-    seen: set[str] = set()
-    keep = []
-    for row, (row_id, text) in enumerate(zip(table["id"].to_pylist(), table["text"].to_pylist())):
-        if text and text.strip() and row_id not in seen:
-            seen.add(row_id)
-            keep.append(row)
-            if len(keep) == docs:
-                break
-    if len(keep) < docs:
-        sys.exit(f"{corpus} has only {len(keep)} usable rows; pass --docs {len(keep)} or another --corpus")
-    table = table.take(keep)
-    pq.write_table(table, path)
-    return table
 
 
 def timed_index(command: list[str], report: Path) -> tuple[float, dict]:

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.config import GPU_ATTENTION
 from engine.errors import UserError
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
@@ -163,7 +164,7 @@ def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
     """
     if device.type != "cuda":
         if requested not in ("auto", "sdpa"):
-            raise UserError(f"attention backend {requested!r} needs a CUDA GPU; use --attention sdpa on the CPU")
+            raise UserError(GPU_ATTENTION.format(requested))  # "auto" device that has no GPU
         return "sdpa"
     if requested == "flashinfer":
         if head_dim not in FLASHINFER_HEAD_DIMS:

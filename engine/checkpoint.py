@@ -129,7 +129,7 @@ def weights_digest(path: Path) -> str:
     written costs the hashing again, nothing else.
     """
     files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
-    key = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    key = json.dumps([[str(f.resolve()), stat.st_size, stat.st_mtime_ns] for f in files for stat in [f.stat()]])
     cache = _digest_cache()
     try:
         known = json.loads(cache.read_text())

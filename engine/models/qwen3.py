@@ -132,12 +132,18 @@ class Qwen3Ops:
         wrap = (lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)) if compile else (lambda fn: fn)
         self.rms_norm = wrap(_rms_norm)
         self.add_rms_norm = wrap(_add_rms_norm)
-        self.qk_norm_rope = wrap(_qk_norm_rope)
-        if compile and head_dim > 0 and head_dim & (head_dim - 1) == 0:  # the kernel tiles a power-of-two head
-            from engine.triton_kernels import qk_norm_rope
-
-            self.qk_norm_rope = qk_norm_rope
+        self.qk_norm_rope = _triton_qk_norm_rope() if compile and _power_of_two(head_dim) else wrap(_qk_norm_rope)
         self.silu_mul = _flashinfer_silu_mul() if compile and flashinfer_available() else wrap(_silu_mul)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0  # the Triton kernel tiles a power-of-two head
+
+
+def _triton_qk_norm_rope() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    from engine.triton_kernels import qk_norm_rope
+
+    return qk_norm_rope
 
 
 def _flashinfer_silu_mul() -> Callable[[torch.Tensor], torch.Tensor]:

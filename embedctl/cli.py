@@ -9,11 +9,12 @@ up-to-date re-index from cron never imports torch.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 import typer
 
@@ -140,8 +141,7 @@ def index(
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(EXIT_LOCKED) from None
         except KeyboardInterrupt:  # committed groups stay: they are what the next run resumes from
-            typer.echo(f"interrupted; the same command resumes from the last commit to {out}", err=True)
-            raise typer.Exit(EXIT_INTERRUPTED) from None
+            _interrupted(f"interrupted; the same command resumes from the last commit to {out}")
         if not quiet:
             typer.echo(result.summary(), err=True)
         if verbose:
@@ -257,8 +257,22 @@ def _guarded(run: Callable[[], None], report: Path | None) -> None:
             raise
         _fail("the GPU ran out of memory; lower --max-batch-tokens or --max-seqs and run again", report)
     except KeyboardInterrupt:
-        typer.echo("interrupted; no output was changed", err=True)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        _interrupted("interrupted; no output was changed")
+
+
+def _interrupted(message: str) -> NoReturn:
+    """After Ctrl-C, once the output is cleaned up: say so and end with exit code 130.
+
+    os._exit, not sys.exit: when Ctrl-C lands while an import runs code from a string (the model
+    loads mid-run, and dataclasses build their methods so), CPython flags the KeyboardInterrupt as
+    unhandled however it was handled, and at exit kills the process by SIGINT instead of returning 130
+    (2 of 30 interrupted index runs). By now the pipeline's threads are joined, the store is aborted
+    and the lock released: nothing is left for the interpreter's exit to do.
+    """
+    typer.echo(message, err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
 
 
 def _out_of_memory(error: Exception) -> bool:

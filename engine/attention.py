@@ -101,13 +101,17 @@ class VarlenAttention:
 
 
 class FlashInferAttention:
-    """FlashInfer's ragged prefill. plan() is host work (about 0.3 ms) and must precede every run.
+    """FlashInfer's ragged prefill. plan() is host work (about 0.3 ms) that a run needs first.
 
     In graph mode the wrapper owns fixed index buffers, so one instance serves one graph shape;
     unused slots are zero-length sequences. FlashInfer insists that the last offset equals the
     length of q, so one extra sequence always covers the bucket's padding tokens (empty when there
     are none); their rows are discarded by pooling. Instances share one scratch workspace: they run
     one after another on one stream.
+    A plan lives in its wrapper's own index buffers and integer workspace (the shared workspace
+    only holds each run's temporaries), so a batch laid out exactly like the one this instance
+    planned last reuses that plan: a repeated query, or pairs all cut at max_length, skip the
+    0.3 ms of host work.
     """
 
     def __init__(self, num_heads: int, head_dim: int, dtype: torch.dtype, workspace: torch.Tensor,
@@ -117,6 +121,7 @@ class FlashInferAttention:
         self.num_heads, self.head_dim, self.dtype, self.causal = num_heads, head_dim, dtype, causal
         self.num_kv_heads = num_kv_heads or num_heads
         self.planned = torch.cuda.Event()
+        self.planned_indptr: list[int] | None = None
         if slots is None:
             self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
         else:
@@ -125,14 +130,18 @@ class FlashInferAttention:
                 workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.indptr, kv_indptr_buf=self.indptr)
 
     def plan(self, layout: AttentionLayout) -> None:
+        indptr = layout.cu_seqlens_host + [layout.tokens]
+        if indptr == self.planned_indptr:
+            return
         # plan() rewrites a page-locked buffer that the previous plan's copy to the device may
         # still be reading while the GPU works through earlier batches: wait until the stream has
         # passed that copy (and so everything queued before it), not for the whole device.
         self.planned.synchronize()
-        indptr = torch.tensor(layout.cu_seqlens_host + [layout.tokens], dtype=torch.int32)
-        self.wrapper.plan(indptr, indptr, self.num_heads, self.num_kv_heads, self.head_dim,
+        indptr_t = torch.tensor(indptr, dtype=torch.int32)
+        self.wrapper.plan(indptr_t, indptr_t, self.num_heads, self.num_kv_heads, self.head_dim,
                           causal=self.causal, q_data_type=self.dtype)
         self.planned.record()
+        self.planned_indptr = indptr
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.wrapper.run(q, k, v)

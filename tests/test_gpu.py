@@ -131,6 +131,30 @@ def test_bert_base_shape_backends_equal_cpu_fp32(tmp_path, backend: str) -> None
     assert engine.stats.replays >= 1
 
 
+@needs_flashinfer
+def test_flashinfer_reuses_a_plan_only_for_the_same_layout(tmp_path) -> None:
+    path = save_random_model(tmp_path / "bert-base", pooling="mean", **BERT_BASE)
+    rng = np.random.default_rng(2)
+    # Two layouts of one graph shape (192 tokens, 4 slots): the same lengths in another order.
+    lengths = {"a": (5, 100, 62), "b": (62, 100, 5)}
+    batches = {name: [np.concatenate([[101], rng.integers(1000, 29000, n), [102]]) for n in sizes]
+               for name, sizes in lengths.items()}
+    cpu = Engine.load(str(path), EngineConfig(device="cpu"))
+    expected = {name: cpu.embed(batch) for name, batch in batches.items()}
+    engine = Engine.load(str(path), EngineConfig(attention="flashinfer"))
+    assert cosine(engine.embed(batches["a"]), expected["a"]).min() >= 0.999  # eager; the bucket now exists
+    (bucket,) = engine.runner.buckets.values()
+    plans, plan = [], bucket.attention.wrapper.plan
+    bucket.attention.wrapper.plan = lambda *args, **kwargs: (plans.append(args[0].tolist()), plan(*args, **kwargs))[1]
+    for name in ["b", "a", "a", "b", "b", "a"]:  # capture, then replays that replan or reuse the plan
+        assert cosine(engine.embed(batches[name]), expected[name]).min() >= 0.999, name
+    assert (engine.stats.eager_runs, engine.stats.captures, engine.stats.replays) == (1, 1, 5)
+    assert len(engine.runner.buckets) == 1
+    # Sequence offsets over 4 slots (the last one empty), then the bucket's padding as one more sequence.
+    offsets = {name: np.cumsum([0, *(n + 2 for n in sizes), 0]).tolist() + [192] for name, sizes in lengths.items()}
+    assert plans == [offsets["b"], offsets["a"], offsets["b"], offsets["a"]]
+
+
 def test_index_on_gpu_equals_cpu(minilm_dir, tmp_path) -> None:
     from pipelines.index import IndexModel, IndexOptions, run_index
 

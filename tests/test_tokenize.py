@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from engine.checkpoint import resolve_model
 from pipelines import tokenize
-from pipelines.tokenize import CUT_CHARS_PER_TOKEN, TextTokenizer
+from pipelines.tokenize import CUT_CHARS_PER_TOKEN, PIECE_CHARS, TextTokenizer
 
 CORPUS = sorted(Path("sample_data/corpus").glob("*.parquet"))
 
@@ -42,6 +42,9 @@ def awkward_texts(max_length: int) -> list[str]:
     texts.append("a" * (limit * 2))  # no space at all: not cut
     texts.append(("word" + " " * 30) * (limit // 10))  # one token per 34 characters: the cut text fits
     texts.append(" ".join(["tok"] * (max_length - 3)) + " " * (limit) + "tail")  # fits only whole
+    # 151 characters a WordPiece token (a word past 100 characters is one [UNK]): cut again and again.
+    texts.append(("x" * 150 + " ") * (2 * max_length))
+    texts.append(" ".join(["y" * 120] * (max_length // 2) + ["z"] * max_length))  # overflows only at the third cut
     return texts
 
 
@@ -65,8 +68,17 @@ def trained(kind: str, directory: Path) -> Path:
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
         trainer = trainers.UnigramTrainer(vocab_size=800, unk_token="<unk>", special_tokens=["<unk>"])
     tokenizer.train_from_iterator(corpus_texts(), trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A:0 $B:1")  # as cross-encoders have
     tokenizer.save(str(path))
     return path
+
+
+def whole_tokenizer(path: Path, max_length: int) -> Tokenizer:
+    """The library's own encoder for the same file: the reference every result must equal."""
+    whole = Tokenizer.from_file(str(path))
+    whole.no_padding()
+    whole.enable_truncation(max_length)
+    return whole
 
 
 @pytest.mark.parametrize("kind", ["wordpiece", "bpe", "unigram"])
@@ -79,13 +91,61 @@ def test_cut_texts_give_the_whole_texts_tokens(tokenizers_dir: Path, monkeypatch
     monkeypatch.setattr(tokenize, "CUT_CHARS_PER_TOKEN", chars_per_token)
     path = resolve_model(None).tokenizer_file if kind == "wordpiece" else trained(kind, tokenizers_dir)
     texts = corpus_texts() + awkward_texts(max_length)
-    whole = Tokenizer.from_file(str(path))
-    whole.no_padding()
-    whole.enable_truncation(max_length)
-    expected = whole.encode_batch_fast([text.strip() for text in texts])
+    expected = whole_tokenizer(path, max_length).encode_batch_fast([text.strip() for text in texts])
 
     encoded = TextTokenizer(path, max_length).encode(texts)
 
     assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
     assert encoded.truncated == [bool(e.overflowing) for e in expected]
     assert sum(len(text.strip()) > max_length * chars_per_token for text in texts) > 50  # many were cut
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "unigram"])
+@pytest.mark.parametrize("piece_chars", [7, PIECE_CHARS])
+def test_pairs_give_the_whole_pairs_tokens(tokenizers_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str,
+                                           piece_chars: int) -> None:
+    """Queries short and long against long documents: truncation takes from the longer side first.
+    Pieces of 7 characters split a text at nearly every space it has."""
+    monkeypatch.setattr(tokenize, "PIECE_CHARS", piece_chars)
+    path = resolve_model(None).tokenizer_file if kind == "wordpiece" else trained(kind, tokenizers_dir)
+    max_length = 128
+    docs = corpus_texts()[:40] + awkward_texts(max_length)[:20]
+    queries = ["how to read a file", docs[-1][:900], "x"] * (len(docs) // 3 + 1)
+    pairs = list(zip(queries, docs))
+    expected = whole_tokenizer(path, max_length).encode_batch_fast([(a.strip(), b.strip()) for a, b in pairs])
+
+    encoded = TextTokenizer(path, max_length).encode_pairs([a for a, _ in pairs], [b for _, b in pairs])
+
+    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
+    assert [types.tolist() for types in encoded.type_ids] == [e.type_ids for e in expected]
+    assert encoded.truncated == [bool(e.overflowing) for e in expected]
+    assert sum(encoded.truncated) > 20
+
+
+def test_pairs_of_a_tokenizer_without_a_template_are_tokenized_whole(tokenizers_dir: Path) -> None:
+    tokenizer = Tokenizer.from_file(str(trained("bpe", tokenizers_dir)))
+    tokenizer.post_processor = None  # encoding a pair gives the second text type 1; nothing else would
+    path = tokenizers_dir / "no-template.json"
+    tokenizer.save(str(path))
+    docs = corpus_texts()[:30]
+    expected = whole_tokenizer(path, 64).encode_batch_fast([("a query", doc.strip()) for doc in docs])
+
+    encoded = TextTokenizer(path, 64).encode_pairs(["a query"] * len(docs), docs)
+
+    assert [types.tolist() for types in encoded.type_ids] == [e.type_ids for e in expected]
+    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
+
+
+def test_a_tokenizer_that_prepends_to_every_input_is_not_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama-style tokenizers put a marker in front of the whole input; a piece must not get one too."""
+    monkeypatch.setattr(tokenize, "PIECE_CHARS", 7)
+    tokenizer = Tokenizer.from_file(str(resolve_model(None).tokenizer_file))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("zz "), normalizers.Lowercase()])
+    path = tmp_path / "prepend.json"
+    tokenizer.save(str(path))
+    docs = corpus_texts()[:50]
+    expected = whole_tokenizer(path, 128).encode_batch_fast([("a query", doc.strip()) for doc in docs])
+
+    encoded = TextTokenizer(path, 128).encode_pairs(["a query"] * len(docs), docs)
+
+    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]

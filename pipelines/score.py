@@ -30,7 +30,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from engine import Engine, PackedBatch
+from engine import Engine
+from engine.batch import Packer
 from engine.errors import UserError, short_reason
 from pipelines.qrels import Metrics, Qrels, evaluate, read_qrels
 from pipelines.readers import Chunk, CorpusReader
@@ -42,8 +43,8 @@ TREC_RUN_TAG = "embedctl"
 QUERY_BLOCK = 4096
 # Queries whose (query, document) pairs are tokenized and reranked together: bounds the pairs in memory.
 RERANK_QUERY_BLOCK = 256
-# Pairs per engine step when reranking: small steps let tokenizing overlap the device (see pair_scores).
-PAIRS_PER_STEP = 8
+# Pairs tokenized together when reranking: one per core, as each pair is one Rust thread's work (see pair_scores).
+PAIRS_PER_GROUP = os.cpu_count() or 1
 _WHITESPACE = re.compile(r"\s")
 
 
@@ -286,15 +287,22 @@ def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking
 def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], seconds: list[str]) -> np.ndarray:
     """A cross-encoder's score for each (first, second) pair, float32 [pairs].
 
-    Pairs go to the engine a few at a time, each step enqueued as soon as its pairs are tokenized, so
-    the tokenizer works on the next pairs while the device runs the last ones: for a handful of long
-    pairs, tokenizing costs as much as the model.
+    For a handful of long pairs, tokenizing costs as much as the model, and the tokenizer gives each
+    pair to one thread: as many pairs as cores take the time of one. So pairs are tokenized a
+    group of PAIRS_PER_GROUP at a time and each group is enqueued at once, in steps under the token
+    budget, so that the tokenizer works on the next group while the device runs this one. On the
+    H200 host (16 cores) one pair of 512 tokens takes about 2 ms to tokenize, five pairs 2.0 ms and
+    fifty 6.8 ms (bench/results/gpu-2026-11-30-run14-rerank-qwen3).
     """
-    per_step = max(1, min(PAIRS_PER_STEP, reranker.max_batch_tokens // reranker.max_length))
+    packer = Packer(reranker.max_batch_tokens, reranker.config.max_seqs)
     pending = []
-    for start in range(0, len(firsts), per_step):
-        encoded = tokenizer.encode_pairs(firsts[start: start + per_step], seconds[start: start + per_step])
-        pending.append(reranker.step(PackedBatch.of(encoded.ids, token_type_ids=encoded.type_ids)))
+    for start in range(0, len(firsts), PAIRS_PER_GROUP):
+        encoded = tokenizer.encode_pairs(firsts[start: start + PAIRS_PER_GROUP], seconds[start: start + PAIRS_PER_GROUP])
+        for ids, types in zip(encoded.ids, encoded.type_ids):
+            if (batch := packer.add(ids, None, types)) is not None:
+                pending.append(reranker.step(batch))
+        if (batch := packer.flush()) is not None:
+            pending.append(reranker.step(batch))
     if not pending:
         return np.zeros(0, dtype=np.float32)
     return np.concatenate([lazy.result()[:, 0] for lazy in pending])

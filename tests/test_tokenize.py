@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from engine.checkpoint import resolve_model
 from pipelines import tokenize
-from pipelines.tokenize import CUT_CHARS_PER_TOKEN, PIECE_CHARS, TextTokenizer
+from pipelines.tokenize import CUT_CHARS_PER_TOKEN, TextTokenizer
 
 CORPUS = sorted(Path("sample_data/corpus").glob("*.parquet"))
 
@@ -68,7 +68,6 @@ def trained(kind: str, directory: Path) -> Path:
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
         trainer = trainers.UnigramTrainer(vocab_size=800, unk_token="<unk>", special_tokens=["<unk>"])
     tokenizer.train_from_iterator(corpus_texts(), trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A:0 $B:1")  # as cross-encoders have
     tokenizer.save(str(path))
     return path
 
@@ -98,54 +97,3 @@ def test_cut_texts_give_the_whole_texts_tokens(tokenizers_dir: Path, monkeypatch
     assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
     assert encoded.truncated == [bool(e.overflowing) for e in expected]
     assert sum(len(text.strip()) > max_length * chars_per_token for text in texts) > 50  # many were cut
-
-
-@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "unigram"])
-@pytest.mark.parametrize("piece_chars", [7, PIECE_CHARS])
-def test_pairs_give_the_whole_pairs_tokens(tokenizers_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str,
-                                           piece_chars: int) -> None:
-    """Queries short and long against long documents: truncation takes from the longer side first.
-    Pieces of 7 characters split a text at nearly every space it has."""
-    monkeypatch.setattr(tokenize, "PIECE_CHARS", piece_chars)
-    path = resolve_model(None).tokenizer_file if kind == "wordpiece" else trained(kind, tokenizers_dir)
-    max_length = 128
-    docs = corpus_texts()[:40] + awkward_texts(max_length)[:20]
-    queries = ["how to read a file", docs[-1][:900], "x"] * (len(docs) // 3 + 1)
-    pairs = list(zip(queries, docs))
-    expected = whole_tokenizer(path, max_length).encode_batch_fast([(a.strip(), b.strip()) for a, b in pairs])
-
-    encoded = TextTokenizer(path, max_length).encode_pairs([a for a, _ in pairs], [b for _, b in pairs])
-
-    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
-    assert [types.tolist() for types in encoded.type_ids] == [e.type_ids for e in expected]
-    assert encoded.truncated == [bool(e.overflowing) for e in expected]
-    assert sum(encoded.truncated) > 20
-
-
-def test_pairs_of_a_tokenizer_without_a_template_are_tokenized_whole(tokenizers_dir: Path) -> None:
-    tokenizer = Tokenizer.from_file(str(trained("bpe", tokenizers_dir)))
-    tokenizer.post_processor = None  # encoding a pair gives the second text type 1; nothing else would
-    path = tokenizers_dir / "no-template.json"
-    tokenizer.save(str(path))
-    docs = corpus_texts()[:30]
-    expected = whole_tokenizer(path, 64).encode_batch_fast([("a query", doc.strip()) for doc in docs])
-
-    encoded = TextTokenizer(path, 64).encode_pairs(["a query"] * len(docs), docs)
-
-    assert [types.tolist() for types in encoded.type_ids] == [e.type_ids for e in expected]
-    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
-
-
-def test_a_tokenizer_that_prepends_to_every_input_is_not_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Llama-style tokenizers put a marker in front of the whole input; a piece must not get one too."""
-    monkeypatch.setattr(tokenize, "PIECE_CHARS", 7)
-    tokenizer = Tokenizer.from_file(str(resolve_model(None).tokenizer_file))
-    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("zz "), normalizers.Lowercase()])
-    path = tmp_path / "prepend.json"
-    tokenizer.save(str(path))
-    docs = corpus_texts()[:50]
-    expected = whole_tokenizer(path, 128).encode_batch_fast([("a query", doc.strip()) for doc in docs])
-
-    encoded = TextTokenizer(path, 128).encode_pairs(["a query"] * len(docs), docs)
-
-    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]

@@ -32,7 +32,6 @@ import logging
 import os
 import secrets
 import socket
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -67,11 +66,6 @@ RETRY_AFTER_SECONDS = 1
 INLINE_CHARS = 512
 WARMUP_RUNS = 3  # a CUDA graph bucket runs eagerly on its first hit, is captured on the second, replays after
 TOKENIZER_THREADS = min(8, os.cpu_count() or 1)
-# How long a thread that wants the GIL waits before the holder must hand it over (Python's default
-# is 5 ms). Under load the event loop runs Python for milliseconds at a stretch (a burst of requests
-# parsed and answered); with the default, the scheduler thread waited that long to step the engine
-# or hand back finished batches, and the 16-client p99 was 20 ms against a p50 of 6.6.
-GIL_SWITCH_SECONDS = 0.0002
 OPEN_PATHS = ("/health",)
 ENDPOINTS = ("/v1/embeddings", "/embed", "/rerank", "/health", "/metrics", "/v1/models", "/docs", "/openapi.json")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -263,7 +257,6 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
                         "pick another --port or --host") from None
     engine = Engine.load(model, replace(config, normalize=False))
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
-    sys.setswitchinterval(GIL_SWITCH_SECONDS)
     app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize)
     server = uvicorn.Server(uvicorn.Config(app, access_log=options.access_log,
                                            timeout_graceful_shutdown=DRAIN_SECONDS))

@@ -1,9 +1,11 @@
 """The low-latency ranking suite: a cross-encoder scoring 5, 25 and 50 (query, document) pairs of 512 tokens.
 
-Ours: pipelines.score.pair_scores, the path `embedctl score --reranker` runs (pairs tokenized a few at
-a time, each step enqueued at once so tokenizing overlaps the device; CUDA graphs, pinned readback). Peer: sentence-transformers' CrossEncoder.predict on the same
-checkpoint and GPU, in fp16 and fp32 (its default). Both include tokenization and the copy of the
-scores to the host. The model is BERT-base shaped with random weights (timings do not depend on the
+Ours: pipelines.score.pair_scores, the path `embedctl score --reranker` runs (pairs tokenized a core's
+worth at a time, each group enqueued at once so tokenizing overlaps the device; CUDA graphs, pinned
+readback); beside it, its two parts alone: the tokenizer in the same groups, and the model on the
+pairs tokenized beforehand. Peer: sentence-transformers' CrossEncoder.predict on the same checkpoint
+and GPU, in fp16 and fp32 (its default). Both include tokenization and the copy of the scores to the
+host. The model is BERT-base shaped with random weights (timings do not depend on the
 weights; no cross-encoder weights ship offline). Writes results.json and report.md under --out.
 `--smoke` runs tiny sizes on any device to check the script.
 """
@@ -20,7 +22,7 @@ import torch
 
 from bench.gpu_engine import percentiles
 from engine import Engine, EngineConfig
-from pipelines.score import pair_scores
+from pipelines.score import PAIRS_PER_GROUP, pair_scores
 from pipelines.tokenize import TextTokenizer
 from tests.models import BERT_BASE, SMALL_BERT, save_random_model
 
@@ -52,7 +54,14 @@ def main() -> None:
     for pairs in PAIRS:
         queries, texts = [QUERY] * pairs, docs[:pairs]
 
-        point = {"ours": percentiles(lambda: pair_scores(engine, tokenizer, queries, texts), repeats)}
+        encoded = tokenizer.encode_pairs(queries, texts)
+        point = {"ours": percentiles(lambda: pair_scores(engine, tokenizer, queries, texts), repeats),
+                 # where the time goes: the tokenizer alone, in pair_scores' groups; the model alone on
+                 # the same pairs tokenized beforehand, packed at the token budget
+                 "ours_tokenize_only": percentiles(lambda: [tokenizer.encode_pairs(queries[i: i + PAIRS_PER_GROUP],
+                                                                                   texts[i: i + PAIRS_PER_GROUP])
+                                                            for i in range(0, pairs, PAIRS_PER_GROUP)], repeats),
+                 "ours_model_only": percentiles(lambda: engine.embed(encoded.ids, encoded.type_ids), repeats)}
         for name, peer in peers.items():
             point[name] = percentiles(lambda: peer.predict(list(zip(queries, texts)), batch_size=pairs), repeats)
         results["points"][pairs] = point

@@ -43,7 +43,8 @@ TREC_RUN_TAG = "embedctl"
 QUERY_BLOCK = 4096
 # Queries whose (query, document) pairs are tokenized and reranked together: bounds the pairs in memory.
 RERANK_QUERY_BLOCK = 256
-# Pairs tokenized together when reranking: one per core, as each pair is one Rust thread's work (see pair_scores).
+# The first pairs tokenized together when reranking: one per core, as each pair is one Rust thread's work
+# (see pair_scores).
 PAIRS_PER_GROUP = os.cpu_count() or 1
 _WHITESPACE = re.compile(r"\s")
 
@@ -288,21 +289,22 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
     """A cross-encoder's score for each (first, second) pair, float32 [pairs].
 
     For a handful of long pairs, tokenizing costs as much as the model, and the tokenizer gives each
-    pair to one thread: as many pairs as cores take the time of one. So pairs are tokenized a
-    group of PAIRS_PER_GROUP at a time and each group is enqueued at once, in steps under the token
-    budget, so that the tokenizer works on the next group while the device runs this one. On the
-    H200 host (16 cores) one pair of 512 tokens takes about 2 ms to tokenize, five pairs 2.0 ms and
-    fifty 6.8 ms (bench/results/gpu-2026-11-30-run14-rerank-qwen3).
+    pair one thread. So the first PAIRS_PER_GROUP pairs (one per core) are tokenized and enqueued at
+    once, in steps under the token budget, and each later group is twice the one before: the
+    tokenizer works on the next group while the device runs this one, and larger groups keep the
+    cores busy (on the H200 host 16 pairs of 512 tokens took 3.1 ms, 50 pairs 6.8 ms;
+    bench/results/gpu-2026-11-30-run14-rerank-qwen3 and run16).
     """
     packer = Packer(reranker.max_batch_tokens, reranker.config.max_seqs)
-    pending = []
-    for start in range(0, len(firsts), PAIRS_PER_GROUP):
-        encoded = tokenizer.encode_pairs(firsts[start: start + PAIRS_PER_GROUP], seconds[start: start + PAIRS_PER_GROUP])
+    pending, start, group = [], 0, PAIRS_PER_GROUP
+    while start < len(firsts):
+        encoded = tokenizer.encode_pairs(firsts[start: start + group], seconds[start: start + group])
         for ids, types in zip(encoded.ids, encoded.type_ids):
             if (batch := packer.add(ids, None, types)) is not None:
                 pending.append(reranker.step(batch))
         if (batch := packer.flush()) is not None:
             pending.append(reranker.step(batch))
+        start, group = start + group, group * 2
     if not pending:
         return np.zeros(0, dtype=np.float32)
     return np.concatenate([lazy.result()[:, 0] for lazy in pending])

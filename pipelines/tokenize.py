@@ -46,6 +46,8 @@ class TextTokenizer:
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length)
         self.max_length = max_length
+        self._untruncated = Tokenizer.from_str(self.tokenizer.to_str())  # for the lengths of whole texts
+        self._untruncated.no_truncation()
 
     def encode(self, texts: Sequence[str]) -> Encoded:
         """Token ids of each text, truncated at max_length, exactly as the tokenizer gives them.
@@ -76,10 +78,25 @@ class TextTokenizer:
     def encode_pairs(self, firsts: Sequence[str], seconds: Sequence[str]) -> Encoded:
         """[CLS] first [SEP] second [SEP] with token types 0 then 1, as a cross-encoder reads a pair.
 
-        Over-long pairs lose tokens from the longer side first, as transformers' tokenizers do. Not
-        cut first: which side is longer depends on both whole lengths.
+        Over-long pairs lose tokens from the longer side first, as transformers' tokenizers do: when
+        the first text (a query) has at most half of the room, it is kept whole and the second text
+        (a document) gets the rest. So a long document is cut as encode() cuts a text, at a space
+        before CUT_CHARS_PER_TOKEN characters per token of that rest; when the pair still overflows,
+        the document kept exactly the tokens it keeps whole. Other pairs (a long query, or a cut that
+        fell short) are encoded whole. In a cross-encoder suite's documents of about 800 tokens,
+        this tokenizes about a third less.
         """
-        encodings = self.tokenizer.encode_batch_fast([(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)])
+        pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
+        room = self.max_length - self.tokenizer.num_special_tokens_to_add(True)
+        unique = list(dict.fromkeys(first for first, _ in pairs))
+        first_tokens = dict(zip(unique, (len(e) for e in self._untruncated.encode_batch_fast(unique, add_special_tokens=False))))
+        cuts = [_cut(b, (room - first_tokens[a]) * CUT_CHARS_PER_TOKEN) if first_tokens[a] <= room // 2 else b
+                for a, b in pairs]
+        encodings = self.tokenizer.encode_batch_fast([(a, cut) for (a, _), cut in zip(pairs, cuts)])
+        whole = [i for i, (encoding, cut) in enumerate(zip(encodings, cuts))
+                 if len(cut) < len(pairs[i][1]) and not encoding.overflowing]
+        for i, encoding in zip(whole, self.tokenizer.encode_batch_fast([pairs[i] for i in whole])):
+            encodings[i] = encoding
         return Encoded(ids=[np.asarray(e.ids, dtype=np.int32) for e in encodings],
                        truncated=[bool(e.overflowing) for e in encodings],
                        type_ids=[np.asarray(e.type_ids, dtype=np.int32) for e in encodings])

@@ -97,3 +97,25 @@ def test_cut_texts_give_the_whole_texts_tokens(tokenizers_dir: Path, monkeypatch
     assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
     assert encoded.truncated == [bool(e.overflowing) for e in expected]
     assert sum(len(text.strip()) > max_length * chars_per_token for text in texts) > 50  # many were cut
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "unigram"])
+@pytest.mark.parametrize("chars_per_token", [2, 3, 4, CUT_CHARS_PER_TOKEN])
+def test_pairs_with_cut_documents_give_the_whole_pairs_tokens(tokenizers_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              kind: str, chars_per_token: int) -> None:
+    """Short queries (documents cut), queries near half the room, and long queries (both sides
+    truncated: encoded whole), each against every document."""
+    monkeypatch.setattr(tokenize, "CUT_CHARS_PER_TOKEN", chars_per_token)
+    path = resolve_model(None).tokenizer_file if kind == "wordpiece" else trained(kind, tokenizers_dir)
+    max_length = 64
+    docs = corpus_texts()[:80] + awkward_texts(max_length)
+    queries = ["how do I read a file", " ".join(["word"] * 30), " ".join(["word"] * 45), docs[0][:2000]]
+    pairs = [(query, doc) for query in queries for doc in docs]
+    expected = whole_tokenizer(path, max_length).encode_batch_fast([(a.strip(), b.strip()) for a, b in pairs])
+
+    encoded = TextTokenizer(path, max_length).encode_pairs([a for a, _ in pairs], [b for _, b in pairs])
+
+    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
+    assert [types.tolist() for types in encoded.type_ids] == [e.type_ids for e in expected]
+    assert encoded.truncated == [bool(e.overflowing) for e in expected]
+    assert sum(len(doc.strip()) > max_length * chars_per_token for doc in docs) > 50  # many were cut

@@ -166,10 +166,12 @@ def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
     causal 16 x 128 heads with 8 k/v heads, one 4,096-token sequence, 0.137 against 0.364 (503 against
     189 TFLOP/s), and 0.011 against 0.033 at 512. FlashInfer cannot run head_dim 32; padding MiniLM's
     heads to 64 for it cost more than varlen's whole kernel (0.157 against 0.056 ms at 64 x 256).
-    End to end, Qwen3-0.6B ran 449k tok/s with FlashInfer against 376k with varlen (run7). Not
-    measured into the rule yet: in small steps plan() is paid each time, and the cross-encoder's
-    8-pair steps ranked 50 pairs in 26.5 ms with FlashInfer against 19.3 with varlen (run6, run7).
-    Pass --attention to override.
+    End to end, Qwen3-0.6B ran 449k tok/s with FlashInfer against 376k with varlen (run7). Small
+    steps pay plan() each time their layout changes; the cross-encoder, whose pairs mostly fill
+    max_length and so repeat a layout, ranked 5 / 25 / 50 pairs in 3.85 / 9.12 / 16.50 ms with
+    FlashInfer against 4.61 / 11.02 / 19.71 with varlen (run16, run15: the same code). BERT-base's
+    batch-1 step at 16 tokens took 0.49 ms with FlashInfer once a repeated query reused its plan
+    (0.61 before, run14). Pass --attention to override.
     """
     if device.type != "cuda":
         if requested not in ("auto", "sdpa"):

@@ -292,8 +292,9 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
     pair one thread. So the first PAIRS_PER_GROUP pairs (one per core) are tokenized and enqueued at
     once, in steps under the token budget, and each later group is twice the one before: the
     tokenizer works on the next group while the device runs this one, and larger groups keep the
-    cores busy (on the H200 host 16 pairs of 512 tokens took 3.1 ms, 50 pairs 6.8 ms;
-    bench/results/gpu-2026-11-30-run14-rerank-qwen3 and run16).
+    cores busy. On the H200 host (16 cores), 5 pairs of 512 tokens took 2.3 ms to tokenize, 50
+    pairs in groups of 16 took 12.4 ms and the tokenizer alone did all 50 in one call in 7.0 ms
+    (bench/results/gpu-2026-11-30-run16-rerank-breakdown, run17-rerank-cut).
     """
     packer = Packer(reranker.max_batch_tokens, reranker.config.max_seqs)
     pending, start, group = [], 0, PAIRS_PER_GROUP

@@ -45,7 +45,7 @@ QUERY_BLOCK = 4096
 RERANK_QUERY_BLOCK = 256
 # The first pairs tokenized together when reranking: one per core, as each pair is one Rust thread's work
 # (see pair_scores).
-PAIRS_PER_GROUP = os.cpu_count() or 1
+PAIRS_PER_GROUP = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _WHITESPACE = re.compile(r"\s")
 
 
@@ -291,9 +291,9 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
     For a handful of long pairs, tokenizing costs as much as the model, and the tokenizer gives each
     pair one thread. So the first PAIRS_PER_GROUP pairs (one per core) are tokenized and enqueued at
     once, in steps under the token budget, and each later group is twice the one before: the
-    tokenizer works on the next group while the device runs this one, and larger groups keep the
-    cores busy. On the H200 host (16 cores), 5 pairs of 512 tokens took 2.3 ms to tokenize, 50
-    pairs in groups of 16 took 12.4 ms and the tokenizer alone did all 50 in one call in 7.0 ms
+    tokenizer works on the next group while the device runs this one. On the H200 host (16 cores),
+    5 pairs of 512 tokens took 2.2 ms to tokenize and 50 pairs in these groups 12.0 ms (12.4 in
+    fixed groups of 16), while one call on all 50 took 7.0 ms before the ids became arrays
     (bench/results/gpu-2026-11-30-run16-rerank-breakdown, run17-rerank-cut).
     """
     packer = Packer(reranker.max_batch_tokens, reranker.config.max_seqs)

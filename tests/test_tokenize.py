@@ -44,7 +44,7 @@ def awkward_texts(max_length: int) -> list[str]:
     texts.append(" ".join(["tok"] * (max_length - 3)) + " " * (limit) + "tail")  # fits only whole
     # 151 characters a WordPiece token (a word past 100 characters is one [UNK]): cut again and again.
     texts.append(("x" * 150 + " ") * (2 * max_length))
-    texts.append(" ".join(["y" * 120] * (max_length // 2) + ["z"] * max_length))  # overflows only at the third cut
+    texts.append(" ".join(["y" * 120] * (max_length // 2) + ["z"] * max_length))  # cut again and again, then whole
     return texts
 
 
@@ -109,7 +109,9 @@ def test_pairs_with_cut_documents_give_the_whole_pairs_tokens(tokenizers_dir: Pa
     path = resolve_model(None).tokenizer_file if kind == "wordpiece" else trained(kind, tokenizers_dir)
     max_length = 64
     docs = corpus_texts()[:80] + awkward_texts(max_length)
-    queries = ["how do I read a file", " ".join(["word"] * 30), " ".join(["word"] * 45), docs[0][:2000]]
+    # Half the room is 30 tokens with WordPiece's three special tokens, 32 without any: queries just
+    # under and over it, where cutting the document against a query that is too long changes the result.
+    queries = ["how do I read a file", *(" ".join(["word"] * n) for n in (29, 30, 31, 32, 33, 36, 45)), docs[0][:2000]]
     pairs = [(query, doc) for query in queries for doc in docs]
     expected = whole_tokenizer(path, max_length).encode_batch_fast([(a.strip(), b.strip()) for a, b in pairs])
 
@@ -119,3 +121,29 @@ def test_pairs_with_cut_documents_give_the_whole_pairs_tokens(tokenizers_dir: Pa
     assert [types.tolist() for types in encoded.type_ids] == [e.type_ids for e in expected]
     assert encoded.truncated == [bool(e.overflowing) for e in expected]
     assert sum(len(doc.strip()) > max_length * chars_per_token for doc in docs) > 50  # many were cut
+
+
+class CountingTokenizer:
+    """Passes every encode_batch_fast to the real tokenizer and keeps the lengths of the texts it got."""
+
+    def __init__(self, real: Tokenizer) -> None:
+        self.real, self.calls = real, []
+
+    def encode_batch_fast(self, texts: list[str]) -> list:
+        self.calls.append([len(text) for text in texts])
+        return self.real.encode_batch_fast(texts)
+
+
+def test_a_cut_that_falls_short_is_widened_until_it_overflows() -> None:
+    """'international ' is one WordPiece token per 14 characters: cuts at 5 and 10 characters per token
+    hold too few tokens, the cut at 20 overflows, so the text is encoded three times, never whole."""
+    path = resolve_model(None).tokenizer_file
+    tokenizer = TextTokenizer(path, 16)
+    counting = tokenizer.tokenizer = CountingTokenizer(tokenizer.tokenizer)
+    text = "international " * 40
+
+    encoded = tokenizer.encode([text])
+
+    assert encoded.ids[0].tolist() == whole_tokenizer(path, 16).encode(text.strip()).ids
+    assert encoded.truncated == [True]
+    assert len(counting.calls) == 3 and counting.calls[-1][0] < len(text.strip())

@@ -27,11 +27,8 @@ Results: a section appended to bench/results/cpu_index.md and to bench/results/c
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from bench.common import run_record
 from engine import Engine, EngineConfig
 from engine.checkpoint import resolve_model
 from pipelines.index import IndexModel, IndexOptions, run_index
@@ -176,19 +174,10 @@ def sweep(ids: list[np.ndarray], budgets: tuple[int, ...], repeats: int) -> dict
 # --- the record --------------------------------------------------------------------------------------------
 
 def environment() -> dict[str, str]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    cpu = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")),
-               platform.processor())
-    dirty = git("status", "--porcelain", "--untracked-files=no")
     import sentence_transformers
 
     return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "commit": git("rev-parse", "--short", "HEAD") + (" (tree dirty: uncommitted changes)" if dirty else ""),
-        "cpu": f"{cpu}, {os.cpu_count()} logical CPUs",
+        **run_record(),
         "torch": torch.__version__,
         "sentence-transformers": sentence_transformers.__version__,
         "threads": f"torch intra-op {torch.get_num_threads()}",

@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from bench.common import percentiles
 from engine import Engine, EngineConfig, PackedBatch
 from pipelines.index import IndexModel, IndexOptions, run_index
 from pipelines.readers import CorpusReader
@@ -130,17 +131,6 @@ def run_suites(args: argparse.Namespace, engine: Engine, path: Path, texts: list
         out["profile"] = profile_suite(engine, ids)
     out["graph_stats"] = vars(engine.stats)
     return out
-
-
-def percentiles(call: Callable[[], object], repeats: int, warmup: int = 10) -> dict:
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1e3)
-    return {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99))}
 
 
 def latency_suite(args, engine: Engine, path: Path, tokenizer: TextTokenizer, st, hf) -> dict:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import common
 from engine import Engine, EngineConfig, PackedBatch
 from tests.test_qwen3 import QWEN3_06B, SMALL_QWEN3, save_random_qwen3
 
@@ -98,11 +99,9 @@ def timed(call: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def percentiles(call: Callable[[], object], repeats: int, warmup: int = 5) -> dict:
-    for _ in range(warmup):
-        call()
-    times = [timed(call) * 1e3 for _ in range(repeats)]
-    return {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99))}
+def percentiles(call: Callable[[], object], repeats: int) -> dict:
+    """bench.common.percentiles of call() with the device drained at the end of each call."""
+    return common.percentiles(lambda: (call(), synchronize()), repeats, warmup=5)
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:

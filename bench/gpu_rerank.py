@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from bench.gpu_engine import percentiles
+from bench.common import percentiles
 from engine import Engine, EngineConfig
 from pipelines.score import PAIRS_PER_GROUP, pair_scores
 from pipelines.tokenize import TextTokenizer

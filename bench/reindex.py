@@ -18,10 +18,8 @@ Results: a section appended to bench/results/reindex.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import run_record
 from bench.cpu_index import make_input
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,19 +67,9 @@ def timed_index(command: list[str], report: Path) -> tuple[float, dict]:
 
 
 def environment(device: str) -> dict[str, str]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    cpu = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")),
-               platform.processor())
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else "none used"
     return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "commit": git("rev-parse", "--short", "HEAD") + (" (tree dirty: uncommitted changes)" if dirty else ""),
-        "cpu": f"{cpu}, {os.cpu_count()} logical CPUs",
-        "gpu": gpu,
+        **run_record(),
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "none used",
         "torch": torch.__version__,
         "threads": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
     }

@@ -19,11 +19,13 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 
+from bench.common import percentiles
 from pipelines.tokenize import TextTokenizer
 
 MAX_LENGTH, CHUNK, PAIRS = 512, 1024, (5, 25, 50)
@@ -95,20 +97,14 @@ def pairs_latency(tokenizer: TextTokenizer, corpus: Path) -> dict:
     return result
 
 
+def p50(call: Callable[[], object]) -> float:
+    return percentiles(call, 50, warmup=1)["p50_ms"]
+
+
 def as_arrays(encodings: list) -> list:
     """What encode_pairs hands on besides the tokens: the same int32 arrays, for a like-for-like time."""
     return [(np.asarray(e.ids, dtype=np.int32), np.asarray(e.type_ids, dtype=np.int32), bool(e.overflowing))
             for e in encodings]
-
-
-def p50(call, repeats: int = 50) -> float:  # noqa: ANN001 - a bench helper
-    call()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1e3)
-    return float(np.percentile(times, 50))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""What the benchmarks share: latency percentiles of a call, and the record of when and where a run ran."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def percentiles(call: Callable[[], object], repeats: int, warmup: int = 10) -> dict:
+    """p50 and p99 wall milliseconds of call() over `repeats` timed calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - started) * 1e3)
+    return {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99))}
+
+
+def run_record() -> dict[str, str]:
+    """The date, the commit (and whether the tree had uncommitted changes) and the CPU of this run."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    cpu = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")),
+               platform.processor())
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "commit": git("rev-parse", "--short", "HEAD") + (" (tree dirty: uncommitted changes)" if dirty else ""),
+        "cpu": f"{cpu}, {os.cpu_count()} logical CPUs",
+    }

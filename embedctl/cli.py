@@ -64,6 +64,14 @@ def _commands() -> None:
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory or hub id (default: all-MiniLM-L6-v2, offline).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda when present).")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU).")]
+# The engine's options, the same for every command that loads a model.
+BatchTokensOpt = Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU).")]
+MaxSeqsOpt = Annotated[int, typer.Option(help="Sequences per engine step.")]
+MaxLengthOpt = Annotated[Optional[int], typer.Option(help="Truncate at this many tokens (default: the model's).")]
+DimOpt = Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka), re-normalised when normalising.")]
+AttentionOpt = Annotated[str, typer.Option(help="auto, sdpa, varlen or flashinfer.")]
+EagerOpt = Annotated[bool, typer.Option(help="Run without CUDA graphs.")]
+CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help="Fused kernels on a GPU (norms via torch.compile, GELU in the GEMM epilogue, Qwen3's Triton and FlashInfer steps); --no-compile runs plain torch ops.")]
 
 
 @app.command()
@@ -85,16 +93,16 @@ def index(
     on_long: Annotated[OnLong, typer.Option(help="Texts over the max length: truncate (recorded per row) or error.")] = OnLong.truncate,
     on_empty: Annotated[OnEmpty, typer.Option(help="Null or blank texts: skip (counted) or error.")] = OnEmpty.skip,
     on_duplicate: Annotated[OnDuplicate, typer.Option(help="Repeated ids: error, or skip all but the first.")] = OnDuplicate.error,
-    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU).")] = None,
-    max_seqs: Annotated[int, typer.Option(help="Sequences per engine step.")] = 512,
-    max_length: Annotated[Optional[int], typer.Option(help="Truncate at this many tokens (default: the model's).")] = None,
-    dim: Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka), re-normalised when normalising.")] = None,
+    max_batch_tokens: BatchTokensOpt = None,
+    max_seqs: MaxSeqsOpt = 512,
+    max_length: MaxLengthOpt = None,
+    dim: DimOpt = None,
     normalize: Annotated[Optional[bool], typer.Option("--normalize/--no-normalize", help="L2-normalise (default: as the model says).")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
-    attention: Annotated[str, typer.Option(help="auto, sdpa, varlen or flashinfer.")] = "auto",
-    eager: Annotated[bool, typer.Option(help="Run without CUDA graphs.")] = False,
-    fuse: Annotated[bool, typer.Option("--compile/--no-compile", help="Fused kernels on a GPU (norms via torch.compile, GELU in the GEMM epilogue, Qwen3's Triton and FlashInfer steps); --no-compile runs plain torch ops.")] = True,
+    attention: AttentionOpt = "auto",
+    eager: EagerOpt = False,
+    fuse: CompileOpt = True,
     warmup: Annotated[bool, typer.Option(help="Capture every CUDA graph bucket before starting.")] = False,
     report: Annotated[Optional[Path], typer.Option(help="Write the run's summary as JSON to this file.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
@@ -171,7 +179,7 @@ def score(
     doc_prompt: Annotated[Optional[str], typer.Option(help="Text put before every document, e.g. 'passage: ' (default: the model's 'document' prompt, if any).")] = None,
     query_prompt_name: Annotated[Optional[str], typer.Option(help="Name of a prompt in the model's sentence-transformers config, for queries.")] = None,
     doc_prompt_name: Annotated[Optional[str], typer.Option(help="Name of a prompt in the model's sentence-transformers config, for documents.")] = None,
-    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU).")] = None,
+    max_batch_tokens: BatchTokensOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the summary and metrics as JSON to this file.")] = None,
@@ -209,19 +217,19 @@ def serve(
     model: ModelOpt = None,
     api_key: Annotated[Optional[str], typer.Option(envvar="EMBEDCTL_API_KEY", show_envvar=True,
                                                    help="Require 'Authorization: Bearer KEY' on everything but /health.")] = None,
-    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU).")] = None,
-    max_seqs: Annotated[int, typer.Option(help="Sequences per engine step.")] = 512,
+    max_batch_tokens: BatchTokensOpt = None,
+    max_seqs: MaxSeqsOpt = 512,
     max_client_batch: Annotated[int, typer.Option(help="Inputs per request; more get 413.")] = 512,
     max_request_bytes: Annotated[int, typer.Option(help="Request body size; larger gets 413.")] = 4 << 20,
     max_queue: Annotated[int, typer.Option(help="Sequences admitted and not yet answered, over all clients; past it 429.")] = 8192,
-    max_length: Annotated[Optional[int], typer.Option(help="Truncate at this many tokens (default: the model's).")] = None,
-    dim: Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka), re-normalised when normalising.")] = None,
+    max_length: MaxLengthOpt = None,
+    dim: DimOpt = None,
     normalize: Annotated[Optional[bool], typer.Option("--normalize/--no-normalize", help="L2-normalise /v1/embeddings vectors (default: as the model says).")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
-    attention: Annotated[str, typer.Option(help="auto, sdpa, varlen or flashinfer.")] = "auto",
-    eager: Annotated[bool, typer.Option(help="Run without CUDA graphs.")] = False,
-    fuse: Annotated[bool, typer.Option("--compile/--no-compile", help="Fused kernels on a GPU (norms via torch.compile, GELU in the GEMM epilogue, Qwen3's Triton and FlashInfer steps); --no-compile runs plain torch ops.")] = True,
+    attention: AttentionOpt = "auto",
+    eager: EagerOpt = False,
+    fuse: CompileOpt = True,
     warmup: Annotated[bool, typer.Option(help="Capture every CUDA graph bucket before serving.")] = False,
     access_log: Annotated[bool, typer.Option(help="Log one line per request.")] = False,
 ) -> None:

@@ -30,7 +30,7 @@ from engine.graphs import GraphRunner, GraphStats
 from engine.lazy import LazyTensor, PinnedRing
 from engine.models.bert import BertConfig, BertModel
 from engine.models.qwen3 import Qwen3Config, Qwen3Model, Qwen3Ops
-from engine.pooling import finish, pool
+from engine.pooling import finish, pool, pooled_rows, prunes_last_layer
 from engine.spec import ModelSpec
 
 FLASHINFER_WORKSPACE_BYTES = 128 << 20
@@ -58,6 +58,7 @@ class Engine:
         self.vector_dtype = spec.vector_dtype
         self.max_batch_tokens = config.batch_tokens(device, self.max_length)  # spec checked a user's budget
         self.attention = choose_backend(config.attention, device, model.head_dim)
+        self.prune = prunes_last_layer(self.pooling, model.causal)
         self.runner: GraphRunner | None = None
         self._flashinfer_workspace: torch.Tensor | None = None
         if device.type == "cuda":
@@ -96,8 +97,11 @@ class Engine:
         """The whole model on inputs laid out by PackedBatch.write_inputs -> float32 [slots, dim]."""
         input_ids, positions, token_types, seq_ids = inputs[: 4 * tokens].view(4, tokens)
         cu_seqlens = inputs[4 * tokens: 4 * tokens + slots + 1]
-        hidden = self.model(input_ids, positions, token_types, attention)
-        pooled = pool(hidden, seq_ids, cu_seqlens, self.pooling)
+        if self.prune:
+            rows = pooled_rows(cu_seqlens, self.pooling, tokens)
+            pooled = self.model(input_ids, positions, token_types, attention, rows).float()
+        else:
+            pooled = pool(self.model(input_ids, positions, token_types, attention), seq_ids, cu_seqlens, self.pooling)
         if self.num_labels:
             logits = self.model.classify(pooled.to(self.dtype)).float()
             return torch.sigmoid(logits) if self.sigmoid else logits
@@ -149,6 +153,6 @@ class Engine:
                 self._flashinfer_workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
             return FlashInferAttention(self.model.num_heads, self.model.head_dim, self.dtype,
                                        self._flashinfer_workspace, causal=self.model.causal, slots=slots,
-                                       num_kv_heads=self.model.num_kv_heads)
+                                       num_kv_heads=self.model.num_kv_heads, pooled=self.prune)
         return VarlenAttention(causal=self.model.causal)
 

@@ -112,10 +112,15 @@ def test_attention_backend_matches_exact_sdpa(backend: str, head_dim: int) -> No
         attention = VarlenAttention()
     else:
         workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-        attention = FlashInferAttention(12, head_dim, torch.bfloat16, workspace)
+        attention = FlashInferAttention(12, head_dim, torch.bfloat16, workspace, pooled=True)
     attention.plan(layout)
     out = attention(q, k, v).float()
     assert torch.linalg.norm(out - expected) / torch.linalg.norm(expected) < 1e-2
+    first_rows = [min(start, cu[-1] - 1) for start in cu[:-1]]  # CLS rows; the empty sequence's is any row
+    pooled_expected = reference.pooled(q[first_rows].float(), k.float(), v.float())
+    pooled = attention.pooled(q[first_rows], k, v).float()
+    assert torch.linalg.norm(pooled - pooled_expected) / torch.linalg.norm(pooled_expected) < 1e-2
+    assert not pooled[lengths.index(0)].any()  # an empty sequence's row is zeros
 
 
 @pytest.mark.parametrize("backend", ["varlen", pytest.param("flashinfer", marks=needs_flashinfer)])

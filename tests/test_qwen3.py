@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from engine import Engine, EngineConfig, PackedBatch, UserError
 from engine.attention import AttentionLayout, FlashInferAttention, SdpaAttention, VarlenAttention, flashinfer_available
 from engine.graphs import GRAPH_MAX_TOKENS, all_seqlens, bucket_for, seqlen_for
+from engine.pooling import prunes_last_layer
 from tests.models import TOKENIZER_FILES, minilm_path
 
 SMALL_QWEN3 = dict(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -248,6 +249,39 @@ def test_sdpa_grouped_query_heads_share_consecutive_kv_heads() -> None:
     torch.testing.assert_close(attention(q, k, v), expected(q, *repeated))
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_pooled_attention_is_the_full_attention_at_the_pooled_rows(causal: bool) -> None:
+    lengths = [3, 0, 7, 1]
+    cu = [0] + np.cumsum(lengths).tolist()
+    q, k, v = torch.randn(cu[-1], 4, 8), torch.randn(cu[-1], 2, 8), torch.randn(cu[-1], 2, 8)
+    attention = SdpaAttention(causal=causal)
+    attention.plan(AttentionLayout(torch.tensor(cu, dtype=torch.int32), cu, max(lengths), cu[-1]))
+    last_rows = [end - 1 for end in cu[1:]]
+    pooled = attention.pooled(q[last_rows], k, v)
+    full = attention(q, k, v)
+    for slot, length in enumerate(lengths):
+        if length:  # a sequence's last token sees all of it, with or without a causal mask
+            torch.testing.assert_close(pooled[slot], full[last_rows[slot]])
+        else:
+            assert not pooled[slot].any()
+
+
+@pytest.mark.parametrize(("pooling", "causal", "pruned"), [("last", True, True), ("last", False, True), ("mean", True, False)])
+def test_last_layer_computes_only_the_pooled_rows_where_pooling_allows(tmp_path, pooling: str, causal: bool,
+                                                                      pruned: bool) -> None:
+    engine = Engine.load(str(save_random_qwen3(tmp_path / "qwen3", causal=causal, pooling=pooling)), EngineConfig(device="cpu"))
+    rows: dict[int, int] = {}
+    for index in (0, -1):
+        engine.model.layers[index].gate_up.register_forward_hook(
+            lambda module, args, out, index=index: rows.__setitem__(index, out.shape[0]))
+    sequences = random_sequences([7, 30, 3])
+    vectors = engine.step(PackedBatch.of(sequences)).result()
+    assert rows == {0: 40, -1: 3 if pruned else 40}
+    np.testing.assert_allclose(vectors, reference(tmp_path / "qwen3", sequences, pooling), atol=2e-5, rtol=1e-4)
+    # CLS pooling under a causal mask reads a row that saw only itself in every layer: nothing to prune.
+    assert not prunes_last_layer("cls", causal=True) and prunes_last_layer("cls", causal=False)
+
+
 # ---- on a CUDA GPU -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -271,10 +305,14 @@ def test_gqa_attention_backends_match_exact_sdpa(backend: str, causal: bool, len
         attention = VarlenAttention(causal=causal)
     else:
         workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-        attention = FlashInferAttention(16, 128, torch.bfloat16, workspace, causal=causal, num_kv_heads=8)
+        attention = FlashInferAttention(16, 128, torch.bfloat16, workspace, causal=causal, num_kv_heads=8, pooled=True)
     attention.plan(layout)
     out = attention(q, k, v).float()
     assert torch.linalg.norm(out - expected) / torch.linalg.norm(expected) < 1e-2
+    last_rows = [end - 1 for end in cu[1:]]
+    pooled_expected = exact.pooled(q[last_rows].float(), k.float(), v.float())
+    pooled = attention.pooled(q[last_rows], k, v).float()
+    assert torch.linalg.norm(pooled - pooled_expected) / torch.linalg.norm(pooled_expected) < 1e-2
 
 
 @pytest.mark.gpu

@@ -10,18 +10,16 @@ Not here: pooling, normalisation, the score activation, tokenization, reading fi
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from engine.attention import Attention
 from engine.checkpoint import match_state_dict
 from engine.errors import UserError
 from engine.fused import ACTIVATIONS, Fused
 from engine.spec import classifier_labels
-
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Checkpoints saved from BertModel have no prefix; those saved from task heads nest it.
 PREFIXES = ("bert.", "roberta.", "model.")
@@ -136,11 +134,15 @@ class BertLayer(nn.Module):
             self.qkv.bias.copy_(torch.cat([parts.query.bias, parts.key.bias, parts.value.bias]))
         del self.attention.self
 
-    def forward(self, x: torch.Tensor, attend: Attend, fused: Fused) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attend: Attention, fused: Fused, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output for every token, or with `rows` for those rows only (attend.pooled)."""
         tokens, hidden = x.shape
         q, k, v = self.qkv(x).view(tokens, 3, self.heads, hidden // self.heads).unbind(1)
-        context = attend(q, k, v).reshape(tokens, hidden)
-        out = self.attention.output.dense(context)
+        if rows is None:
+            context = attend(q, k, v)
+        else:
+            context, x = attend.pooled(q[rows], k, v), x[rows]
+        out = self.attention.output.dense(context.flatten(1))
         norm = self.attention.output.LayerNorm
         x = fused.add_layer_norm(out, x, norm.weight, norm.bias, norm.eps)
         out = self.output.dense(fused.dense_act(x, self.intermediate.dense, self.act))
@@ -168,7 +170,8 @@ class BertEncoder(nn.Module):
 
 
 class BertModel(nn.Module):
-    """token ids [T], positions [T], token types [T] -> hidden states [T, hidden_size]."""
+    """token ids [T], positions [T], token types [T] -> hidden states [T, hidden_size], or with `rows`
+    [S] those rows' only [S, hidden_size], the last layer computing no others."""
 
     causal = False  # an encoder: every token attends to its whole sequence
 
@@ -211,10 +214,11 @@ class BertModel(nn.Module):
             layer.fuse_qkv()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.Tensor,
-                attend: Attend) -> torch.Tensor:
+                attend: Attention, rows: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embeddings(input_ids, position_ids + self.config.position_offset, token_type_ids, self.fused)
-        for layer in self.encoder.layer:
-            x = layer(x, attend, self.fused)
+        last = len(self.encoder.layer) - 1
+        for index, layer in enumerate(self.encoder.layer):
+            x = layer(x, attend, self.fused, rows if index == last else None)
         return x
 
     def classify(self, first_tokens: torch.Tensor) -> torch.Tensor:

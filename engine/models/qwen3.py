@@ -19,11 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import flashinfer_available
+from engine.attention import Attention, flashinfer_available
 from engine.checkpoint import match_state_dict
 from engine.errors import UserError
-
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Checkpoints saved from Qwen3ForCausalLM nest the model under "model." and add an lm_head that an
 # embedder never reads (tied or not).
@@ -89,11 +87,18 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
-def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual, its RMSNorm): the residual stream and the next sublayer's input."""
-    hidden = x + residual
-    return hidden, _rms_norm(hidden, weight, eps)
+def _add_linear(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """residual + linear(x), summed by the GEMM itself into the residual's memory (beta = 1).
+
+    Against a GEMM and then an add + RMSNorm kernel, the norm that follows reads one tensor and
+    writes one instead of reading two and writing two: 16 MB less memory traffic per sublayer at
+    4,096 tokens. The sum is rounded once, from float32, where transformers rounds the projection
+    and then the sum.
+    """
+    residual.addmm_(x, linear.weight.t())
+    if linear.bias is not None:
+        residual.add_(linear.bias)
+    return residual
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -131,7 +136,6 @@ class Qwen3Ops:
     def __init__(self, compile: bool, head_dim: int = 0) -> None:
         wrap = (lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)) if compile else (lambda fn: fn)
         self.rms_norm = wrap(_rms_norm)
-        self.add_rms_norm = wrap(_add_rms_norm)
         self.qk_norm_rope = _triton_qk_norm_rope() if compile and _power_of_two(head_dim) else wrap(_qk_norm_rope)
         self.silu_mul = _flashinfer_silu_mul() if compile and flashinfer_available() else wrap(_silu_mul)
 
@@ -206,19 +210,19 @@ class Qwen3DecoderLayer(nn.Module):
         self.gate_up = _concat_linears(mlp.gate_proj, mlp.up_proj)
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
 
-    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
-                  ops: Qwen3Ops) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attention,
+                  ops: Qwen3Ops, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention's context for every token, or with `rows` for those rows only (attend.pooled):
+        [T or S, heads, head_dim], before the output projection."""
         attn = self.self_attn
         q, k, v = ops.qk_norm_rope(self.qkv(x), attn.q_norm.weight, attn.k_norm.weight, cos, sin,
                                    attn.q_norm.eps, self.heads, self.kv_heads)
-        return attn.o_proj(attend(q, k, v).reshape(x.shape[0], -1))
-
-    def feed_forward(self, x: torch.Tensor, ops: Qwen3Ops) -> torch.Tensor:
-        return self.mlp.down_proj(ops.silu_mul(self.gate_up(x)))
+        return attend(q, k, v) if rows is None else attend.pooled(q[rows], k, v)
 
 
 class Qwen3Model(nn.Module):
-    """token ids [T], positions [T] -> final-normed hidden states [T, hidden_size] (last_hidden_state)."""
+    """token ids [T], positions [T] -> final-normed hidden states [T, hidden_size] (last_hidden_state),
+    or with `rows` [S] those rows' only [S, hidden_size], the last layer computing no others."""
 
     num_labels = 0  # an embedder; Qwen3 cross-encoders are not supported
 
@@ -257,17 +261,21 @@ class Qwen3Model(nn.Module):
             layer.fuse()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.Tensor,
-                attend: Attend) -> torch.Tensor:
+                attend: Attention, rows: torch.Tensor | None = None) -> torch.Tensor:
         ops, eps = self.ops, self.config.rms_norm_eps
         hidden = self.embed_tokens(input_ids)
         cos, sin = rotary(position_ids, self.config.head_dim, self.config.rope_theta, hidden.dtype)
         x = ops.rms_norm(hidden, self.layers[0].input_layernorm.weight, eps)
-        # Each residual add is fused with the RMSNorm that follows it, the next layer's included.
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm in zip(self.layers, next_norms):
-            hidden, x = ops.add_rms_norm(layer.attention(x, cos, sin, attend, ops), hidden,
-                                         layer.post_attention_layernorm.weight, eps)
-            hidden, x = ops.add_rms_norm(layer.feed_forward(x, ops), hidden, next_norm.weight, eps)
+        for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+            last_rows = rows if index == len(self.layers) - 1 else None
+            context = layer.attention(x, cos, sin, attend, ops, last_rows)
+            if last_rows is not None:
+                hidden = hidden[last_rows]
+            hidden = _add_linear(hidden, context.flatten(1), layer.self_attn.o_proj)
+            x = ops.rms_norm(hidden, layer.post_attention_layernorm.weight, eps)
+            hidden = _add_linear(hidden, ops.silu_mul(layer.gate_up(x)), layer.mlp.down_proj)
+            x = ops.rms_norm(hidden, next_norm.weight, eps)
         return x
 
 

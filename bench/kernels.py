@@ -9,7 +9,10 @@ and cosine next to its time, so a fast but wrong kernel shows):
   attention_causal_long  Qwen3-0.6B causal GQA attention at 4,096 / 512 / 128 tokens, with TFLOP/s
   qwen3_gemms            Qwen3-0.6B's four GEMMs per layer at 128 to 16,384 tokens, with TFLOP/s
   qwen3_elementwise      Qwen3's SwiGLU and q/k norm + rotary: compiled as the engine does, static, eager, FlashInfer
-  layer_breakdown        the engine (random weights) on one replayed step: GPU time and top kernels
+  qwen3_residual         Qwen3's output GEMMs with the residual added by the GEMM (addmm_) then RMSNorm,
+                         against the GEMM then one add + RMSNorm kernel
+  layer_breakdown        the engine (random weights) on one replayed step: GPU time, time the GPU sat
+                         idle inside the step, top kernels (qwen3_breakdown: Qwen3-0.6B with FlashInfer only)
   big_batches            MiniLM and BERT-base tokens/s through Engine.step at 16k / 32k / 64k tokens
 A time is the median of --repeats loops of K calls (K so that a loop takes about 2 ms) timed with
 CUDA events, divided by K: `ms` launches the calls from Python (host overhead shows where the host is
@@ -356,6 +359,34 @@ def qwen3_elementwise(repeats: int) -> list[Row]:
     return rows
 
 
+def qwen3_residual(repeats: int) -> list[Row]:
+    """The residual add in the output GEMM (addmm_ into the residual, as the engine runs it), then
+    RMSNorm, against the GEMM alone and then one add + RMSNorm kernel."""
+    from engine.models.qwen3 import _rms_norm
+
+    dynamic = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+    norm = dynamic(_rms_norm)
+    add_norm = dynamic(lambda out, residual, weight, eps: _rms_norm(out + residual, weight, eps))
+    rows: list[Row] = []
+    for tokens in (128, 4096, 16384):
+        for name in ("o_proj", "down"):
+            k_in, n_out = QWEN3_GEMMS[name]
+            x, w, residual = randn(tokens, k_in), randn(n_out, k_in, scale=k_in ** -0.5), randn(tokens, n_out)
+            weight = randn(n_out, scale=0.1) + 1
+            reference = _rms_norm(residual.float() + x.float() @ w.float().t(), weight.float(), 1e-6)
+            candidates = {
+                "linear, then add + RMSNorm compiled": lambda: lambda: add_norm(F.linear(x, w), residual, weight, 1e-6),
+                # The residual grows with every timed call (values do not change the timing); the
+                # first call, which is checked, adds once.
+                "addmm_ into the residual, then RMSNorm compiled": lambda: (
+                    lambda acc=residual.clone(): lambda: norm(acc.addmm_(x, w.t()), weight, 1e-6))(),
+            }
+            for candidate, build in candidates.items():
+                rows.append(run_candidate(f"{name} T={tokens}", candidate, build, reference, repeats,
+                                          flops=2 * tokens * k_in * n_out))
+    return rows
+
+
 # ---- 6-7. the engine ------------------------------------------------------------------------------
 
 @functools.cache
@@ -400,8 +431,10 @@ def profile_step(engine: Engine, batch: PackedBatch, label: str, repeats: int) -
         engine.step(batch).result()
     kernels = [e for e in trace.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in kernels)
+    span, idle = gpu_span_and_idle_us(trace)
     rows: list[Row] = [{"config": label, "kernel": "(all GPU work of one step)", "calls": sum(e.count for e in kernels),
                         "total_us": total, "pct": 100.0, "step_wall_ms": statistics.median(walls),
+                        "gpu_span_us": span, "gpu_idle_us": idle,
                         "ran": "graph replay" if engine.stats.replays > replays else "eager"}]
     for event in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
         rows.append({"config": label, "kernel": event.key[:80], "calls": event.count,
@@ -409,10 +442,26 @@ def profile_step(engine: Engine, batch: PackedBatch, label: str, repeats: int) -
     return rows
 
 
-def layer_breakdown(repeats: int) -> list[Row]:
-    encoder_batches, qwen3_batches = ((64, 256), (1, 16)), ((1, 128), (1, 4096), (32, 512))
-    configs = (("MiniLM-L6", "auto", encoder_batches), ("BERT-base", "auto", encoder_batches),
-               ("Qwen3-0.6B", "auto", qwen3_batches), ("Qwen3-0.6B", "varlen", qwen3_batches))
+def gpu_span_and_idle_us(trace) -> tuple[float, float]:  # noqa: ANN001 - torch.profiler.profile
+    """From the first GPU activity of a step to its last, and how much of that the GPU had nothing
+    running: launch gaps between kernels and waits on the host."""
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in trace.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not intervals:
+        return 0.0, 0.0
+    idle, reached = 0.0, intervals[0][1]
+    for start, end in intervals[1:]:
+        idle += max(0.0, start - reached)
+        reached = max(reached, end)
+    return reached - intervals[0][0], idle
+
+
+ENCODER_BATCHES, QWEN3_BATCHES = ((64, 256), (1, 16)), ((1, 128), (1, 4096), (32, 512))
+BREAKDOWN_CONFIGS = (("MiniLM-L6", "auto", ENCODER_BATCHES), ("BERT-base", "auto", ENCODER_BATCHES),
+                     ("Qwen3-0.6B", "auto", QWEN3_BATCHES), ("Qwen3-0.6B", "varlen", QWEN3_BATCHES))
+
+
+def layer_breakdown(repeats: int, configs: tuple = BREAKDOWN_CONFIGS) -> list[Row]:
     rows: list[Row] = []
     for model, backend, batches in configs:
         # Qwen3 as bench/gpu_qwen3.py runs it with graphs: a 16,384-token budget and max length.
@@ -474,7 +523,9 @@ EXPERIMENTS: dict[str, Callable[[int], list[Row]]] = {
     "attention_causal_long": attention_causal_long,
     "qwen3_gemms": qwen3_gemms,
     "qwen3_elementwise": qwen3_elementwise,
+    "qwen3_residual": qwen3_residual,
     "layer_breakdown": layer_breakdown,
+    "qwen3_breakdown": functools.partial(layer_breakdown, configs=BREAKDOWN_CONFIGS[2:3]),
     "big_batches": big_batches,
 }
 

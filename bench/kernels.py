@@ -12,7 +12,8 @@ and cosine next to its time, so a fast but wrong kernel shows):
   qwen3_residual         Qwen3's output GEMMs with the residual added by the GEMM (addmm_) then RMSNorm,
                          against the GEMM then one add + RMSNorm kernel
   layer_breakdown        the engine (random weights) on one replayed step: GPU time, time the GPU sat
-                         idle inside the step, top kernels (qwen3_breakdown: Qwen3-0.6B with FlashInfer only)
+                         idle inside the step, top kernels (encoder_breakdown: MiniLM and BERT-base only;
+                         qwen3_breakdown: Qwen3-0.6B with FlashInfer only)
   big_batches            MiniLM and BERT-base tokens/s through Engine.step at 16k / 32k / 64k tokens
 A time is the median of --repeats loops of K calls (K so that a loop takes about 2 ms) timed with
 CUDA events, divided by K: `ms` launches the calls from Python (host overhead shows where the host is
@@ -525,6 +526,7 @@ EXPERIMENTS: dict[str, Callable[[int], list[Row]]] = {
     "qwen3_elementwise": qwen3_elementwise,
     "qwen3_residual": qwen3_residual,
     "layer_breakdown": layer_breakdown,
+    "encoder_breakdown": functools.partial(layer_breakdown, configs=BREAKDOWN_CONFIGS[:2]),
     "qwen3_breakdown": functools.partial(layer_breakdown, configs=BREAKDOWN_CONFIGS[2:3]),
     "big_batches": big_batches,
 }

@@ -142,12 +142,9 @@ class BertLayer(nn.Module):
             context = attend(q, k, v)
         else:
             context, x = attend.pooled(q[rows], k, v), x[rows]
-        out = self.attention.output.dense(context.flatten(1))
-        norm = self.attention.output.LayerNorm
-        x = fused.add_layer_norm(out, x, norm.weight, norm.bias, norm.eps)
-        out = self.output.dense(fused.dense_act(x, self.intermediate.dense, self.act))
-        norm = self.output.LayerNorm
-        return fused.add_layer_norm(out, x, norm.weight, norm.bias, norm.eps)
+        x = fused.dense_add_layer_norm(context.flatten(1), self.attention.output.dense, x, self.attention.output.LayerNorm)
+        intermediate = fused.dense_act(x, self.intermediate.dense, self.act)
+        return fused.dense_add_layer_norm(intermediate, self.output.dense, x, self.output.LayerNorm)
 
 
 class BertPooler(nn.Module):

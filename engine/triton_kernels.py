@@ -5,7 +5,9 @@ from the fused QKV projection. Compiled once with dynamic shapes (so that every 
 compilation), Inductor's version took 0.122 ms at 4,096 tokens and 0.466 ms at 16,384, against
 0.071 / 0.268 compiled for one fixed shape (bench/results/gpu-2026-11-30-run11-qwen3): 10% of a
 4,096-token step. This kernel reads q and k once and writes them once, each half of a head once,
-in programs of up to eight heads of one token, whatever the token count.
+in programs of up to eight heads of one token, whatever the token count: 16 us per call at 4,096
+tokens (bench/results/gpu-2026-11-30-run18-qwen3-last-layer) where reading each element twice in
+one program per token took 19 (run14); its memory traffic alone takes about 11.
 GPU only: triton ships with CUDA builds of torch, and the engine imports this module only there.
 """
 

@@ -6,7 +6,8 @@ config says (`causal`). A layer is pre-norm: RMSNorm, grouped-query attention wi
 on q and k before rotary embeddings, RMSNorm, SwiGLU. Rotary angles are computed from the
 within-sequence positions inside the model (so inside a CUDA graph), in float32 as transformers
 does. Parameter names are Hugging Face's (Qwen3Model, or Qwen3ForCausalLM under "model."); after
-loading, q/k/v and gate/up are fused so each layer runs two GEMMs fewer.
+loading, q/k/v and gate/up are fused so each layer runs two GEMMs fewer, and the output
+projections add the residual themselves (_add_linear).
 Not here: pooling, output quantisation, prompts, tokenization, reading files.
 """
 

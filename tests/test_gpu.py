@@ -160,6 +160,33 @@ def test_flashinfer_reuses_a_plan_only_for_the_same_layout(tmp_path) -> None:
     assert plans == [offsets["b"], offsets["a"], offsets["b"], offsets["a"]]
 
 
+@needs_flashinfer
+def test_flashinfer_plans_kept_by_one_graph_hold_after_another_graph_ran(tmp_path) -> None:
+    # Each graph shape plans into its own wrappers' buffers but all share one scratch workspace: a
+    # plan one bucket reuses must still be right after another bucket planned and ran in between.
+    # CLS pooling, so each bucket keeps two plans (the last layer's pooled queries have their own).
+    path = save_random_model(tmp_path / "bert-base", pooling="cls", **BERT_BASE)
+    rng = np.random.default_rng(3)
+    lengths = {"a": (5, 100, 62), "c": (300, 20)}  # 192 tokens x 4 slots; 384 tokens x 2 slots
+    batches = {name: [np.concatenate([[101], rng.integers(1000, 29000, n), [102]]) for n in sizes]
+               for name, sizes in lengths.items()}
+    cpu = Engine.load(str(path), EngineConfig(device="cpu"))
+    expected = {name: cpu.embed(batch) for name, batch in batches.items()}
+    engine = Engine.load(str(path), EngineConfig(attention="flashinfer"))
+    for name in ["a", "c", "a", "c"]:  # each bucket: eager, then capture
+        assert cosine(engine.embed(batches[name]), expected[name]).min() >= 0.999, name
+    plans: list[list[int]] = []
+    for bucket in engine.runner.buckets.values():
+        assert bucket.attention.pooled_wrapper is not None
+        for wrapper in (bucket.attention.wrapper, bucket.attention.pooled_wrapper):
+            plan = wrapper.plan
+            wrapper.plan = lambda *args, plan=plan, **kwargs: (plans.append(args[0].tolist()), plan(*args, **kwargs))[1]
+    for name in ["a", "c", "a", "a", "c"]:  # replays on kept plans, the other bucket's runs in between
+        assert cosine(engine.embed(batches[name]), expected[name]).min() >= 0.999, name
+    assert (engine.stats.eager_runs, engine.stats.captures, engine.stats.replays) == (2, 2, 5)
+    assert len(engine.runner.buckets) == 2 and plans == []
+
+
 def test_index_on_gpu_equals_cpu(minilm_dir, tmp_path) -> None:
     from pipelines.index import IndexModel, IndexOptions, run_index
 

@@ -13,7 +13,7 @@ and cosine next to its time, so a fast but wrong kernel shows):
                          against the GEMM then one add + RMSNorm kernel
   layer_breakdown        the engine (random weights) on one replayed step: GPU time, time the GPU sat
                          idle inside the step, top kernels (encoder_breakdown: MiniLM and BERT-base only;
-                         qwen3_breakdown: Qwen3-0.6B with FlashInfer only)
+                         qwen3_breakdown: Qwen3-0.6B with the auto backend, FlashInfer where installed)
   big_batches            MiniLM and BERT-base tokens/s through Engine.step at 16k / 32k / 64k tokens
 A time is the median of --repeats loops of K calls (K so that a loop takes about 2 ms) timed with
 CUDA events, divided by K: `ms` launches the calls from Python (host overhead shows where the host is
@@ -362,7 +362,9 @@ def qwen3_elementwise(repeats: int) -> list[Row]:
 
 def qwen3_residual(repeats: int) -> list[Row]:
     """The residual add in the output GEMM (addmm_ into the residual, as the engine runs it), then
-    RMSNorm, against the GEMM alone and then one add + RMSNorm kernel."""
+    RMSNorm, against the GEMM alone and then one add + RMSNorm kernel. That baseline writes only the
+    normed output, where the engine's former add + RMSNorm also wrote the sum: the gain it shows
+    is a lower bound."""
     from engine.models.qwen3 import _rms_norm
 
     dynamic = functools.partial(torch.compile, dynamic=True, fullgraph=True)

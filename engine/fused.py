@@ -2,8 +2,8 @@
 
 Per layer, BERT adds a residual and normalises twice; unfused that is an add kernel and a LayerNorm
 kernel, five passes over the activations, which profiling put at 16-23% of GPU time. Here the
-output GEMM adds the residual itself and one compiled kernel adds the bias and normalises: two
-passes. The embedding sum (three lookups, two adds, LayerNorm) becomes one
+output GEMM adds the residual itself (reading it in its epilogue) and one compiled kernel adds the
+bias and normalises: two passes. The embedding sum (three lookups, two adds, LayerNorm) becomes one
 kernel too, which matters most for single short queries, where every launch counts.
 Compilation happens once per process on first use (dynamic shapes, so every bucket shares it) and
 always on an eager run, never inside a CUDA graph capture. The CPU path stays uncompiled.
@@ -65,7 +65,8 @@ class Fused:
 
         The GEMM sums into the residual's memory (beta = 1) and the norm kernel adds the bias, so
         the norm reads one [T, H] tensor instead of two (bench/kernels.py qwen3_residual measured
-        the same move for Qwen3, faster at every size). The sum is rounded once, from float32.
+        the same move for Qwen3, faster at every size). GEMM and residual are summed in float32
+        and rounded once; the bias joins in the norm's float32 arithmetic.
         """
         residual.addmm_(x, dense.weight.t())
         return self.add_layer_norm(residual, dense.bias, norm.weight, norm.bias, norm.eps)

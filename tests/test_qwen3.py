@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 from engine import Engine, EngineConfig, PackedBatch, UserError
 from engine.attention import AttentionLayout, FlashInferAttention, SdpaAttention, VarlenAttention, flashinfer_available
 from engine.graphs import GRAPH_MAX_TOKENS, all_seqlens, bucket_for, seqlen_for
-from engine.pooling import prunes_last_layer
 from tests.models import TOKENIZER_FILES, minilm_path
 
 SMALL_QWEN3 = dict(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -29,7 +28,7 @@ QWEN3_06B = dict(vocab_size=151669, hidden_size=1024, intermediate_size=3072, nu
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True)
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
-POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "last": "pooling_mode_lasttoken"}
+POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "last": "pooling_mode_lasttoken", "cls": "pooling_mode_cls_token"}
 
 needs_flashinfer = pytest.mark.skipif(not flashinfer_available(), reason="flashinfer-python is not installed")
 
@@ -82,7 +81,8 @@ def reference(path: Path, sequences: list, pooling: str, device: str = "cpu") ->
     with torch.no_grad():
         for seq in sequences:
             hidden = model(torch.as_tensor(np.asarray(seq), dtype=torch.long, device=device)[None]).last_hidden_state[0]
-            vectors.append((hidden[-1] if pooling == "last" else hidden.mean(0)).float().cpu().numpy())
+            pooled = {"last": hidden[-1], "cls": hidden[0], "mean": hidden.mean(0)}[pooling]
+            vectors.append(pooled.float().cpu().numpy())
     return np.stack(vectors)
 
 
@@ -266,7 +266,9 @@ def test_pooled_attention_is_the_full_attention_at_the_pooled_rows(causal: bool)
             assert not pooled[slot].any()
 
 
-@pytest.mark.parametrize(("pooling", "causal", "pruned"), [("last", True, True), ("last", False, True), ("mean", True, False)])
+# CLS pooling under a causal mask reads a row that saw only itself in every layer: nothing to prune.
+@pytest.mark.parametrize(("pooling", "causal", "pruned"), [("last", True, True), ("last", False, True), ("mean", True, False),
+                                                           ("cls", True, False), ("cls", False, True)])
 def test_last_layer_computes_only_the_pooled_rows_where_pooling_allows(tmp_path, pooling: str, causal: bool,
                                                                       pruned: bool) -> None:
     engine = Engine.load(str(save_random_qwen3(tmp_path / "qwen3", causal=causal, pooling=pooling)), EngineConfig(device="cpu"))
@@ -277,9 +279,8 @@ def test_last_layer_computes_only_the_pooled_rows_where_pooling_allows(tmp_path,
     sequences = random_sequences([7, 30, 3])
     vectors = engine.step(PackedBatch.of(sequences)).result()
     assert rows == {0: 40, -1: 3 if pruned else 40}
+    assert engine.prune == pruned
     np.testing.assert_allclose(vectors, reference(tmp_path / "qwen3", sequences, pooling), atol=2e-5, rtol=1e-4)
-    # CLS pooling under a causal mask reads a row that saw only itself in every layer: nothing to prune.
-    assert not prunes_last_layer("cls", causal=True) and prunes_last_layer("cls", causal=False)
 
 
 # ---- on a CUDA GPU -------------------------------------------------------------------------------
@@ -287,6 +288,26 @@ def test_last_layer_computes_only_the_pooled_rows_where_pooling_allows(tmp_path,
 @pytest.fixture(scope="module")
 def qwen3_06b(tmp_path_factory) -> Path:
     return save_random_qwen3(tmp_path_factory.mktemp("qwen3-0.6b") / "model", device="cuda", **QWEN3_06B)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(16, 8, 128), (4, 2, 64), (12, 4, 256), (6, 6, 32)])
+def test_triton_qk_norm_rope_equals_the_torch_steps(heads: int, kv_heads: int, head_dim: int) -> None:
+    from engine.models.qwen3 import _qk_norm_rope, rotary
+    from engine.triton_kernels import qk_norm_rope
+
+    tokens = 300
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=torch.bfloat16)
+    q_weight, k_weight = (1 + 0.3 * torch.randn(head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = rotary(torch.arange(tokens, device="cuda") * 3, head_dim, 1e6, torch.bfloat16)
+    args = (q_weight, k_weight, cos, sin, 1e-6, heads, kv_heads)
+    ours, steps = qk_norm_rope(qkv, *args), _qk_norm_rope(qkv, *args)
+    # The kernel rotates in float32 and rounds once, the torch steps round after each bf16 op: a few
+    # units in the last place apart; a wrong head, half or weight is off by the values' own size.
+    for out, expected in zip(ours[:2], steps[:2]):
+        assert out.shape == expected.shape
+        torch.testing.assert_close(out.float(), expected.float(), rtol=0.03, atol=0.03)
+    assert torch.equal(ours[2], steps[2])  # v: the projection's own values
 
 
 @pytest.mark.gpu

@@ -135,7 +135,8 @@ class BertLayer(nn.Module):
         del self.attention.self
 
     def forward(self, x: torch.Tensor, attend: Attention, fused: Fused, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's output for every token, or with `rows` for those rows only (attend.pooled)."""
+        """The layer's output for every token, or with `rows` for those rows only (attend.pooled).
+        Overwrites x: the output GEMMs sum into it (Fused.dense_add_layer_norm)."""
         tokens, hidden = x.shape
         q, k, v = self.qkv(x).view(tokens, 3, self.heads, hidden // self.heads).unbind(1)
         if rows is None:

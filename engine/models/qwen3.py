@@ -92,9 +92,9 @@ def _add_linear(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> t
     """residual + linear(x), summed by the GEMM itself into the residual's memory (beta = 1).
 
     Against a GEMM and then an add + RMSNorm kernel, the norm that follows reads one tensor and
-    writes one instead of reading two and writing two: 16 MB less memory traffic per sublayer at
-    4,096 tokens. The sum is rounded once, from float32, where transformers rounds the projection
-    and then the sum.
+    writes one instead of reading two and writing two, while the GEMM reads the residual once: 8 MB
+    less memory traffic per sublayer at 4,096 tokens, and one kernel launch less. Without a bias
+    the sum is rounded once, from float32, where transformers rounds the projection and then the sum.
     """
     residual.addmm_(x, linear.weight.t())
     if linear.bias is not None:

@@ -252,8 +252,9 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
     """Load the model, bind, and serve until Ctrl-C or SIGTERM, which drain requests in flight first."""
     try:  # before loading the model, so a taken port fails at once
         sock = socket.create_server((options.host, options.port))
-    except OSError as error:
-        raise UserError(f"cannot listen on {options.host}:{options.port} ({error.strerror}); "
+    except (OSError, OverflowError) as error:  # OverflowError: a port past 65535
+        reason = getattr(error, "strerror", None) or str(error)
+        raise UserError(f"cannot listen on {options.host}:{options.port} ({reason}); "
                         "pick another --port or --host") from None
     engine = Engine.load(model, replace(config, normalize=False))
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)

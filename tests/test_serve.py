@@ -377,10 +377,23 @@ def test_a_port_in_use_is_one_error_line(minilm_dir: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "embedctl.cli", "serve", "--port", str(port), "--device", "cpu",
-                                 "--model", str(minilm_dir)], env=ENV, capture_output=True, text=True, timeout=120)
+        result = serve_cli(minilm_dir, "--port", str(port))
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: cannot listen on 127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize(("flag", "value", "reason"), [("--port", "99999", "port must be 0-65535"),
+                                                       ("--host", "no-such-host.invalid", "cannot listen on no-such-host")])
+def test_an_address_that_cannot_exist_is_one_error_line(minilm_dir: Path, flag: str, value: str, reason: str) -> None:
+    result = serve_cli(minilm_dir, flag, value)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and reason in result.stderr
+    assert result.stderr.startswith("error: cannot listen on")
+
+
+def serve_cli(model: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "embedctl.cli", "serve", "--device", "cpu", "--model", str(model), *args],
+                          env=ENV, capture_output=True, text=True, timeout=120)
 
 
 # Cross-encoder and the scheduler, in this process

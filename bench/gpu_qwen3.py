@@ -37,7 +37,7 @@ TARGETS = {"throughput_tok_s": 0.45e6, "p50_ms": {128: 1.5, 512: 2.5, 4096: 10.0
 def main() -> None:
     args = parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shape = {**SMALL_QWEN3, "max_position_embeddings": 8192, "vocab_size": 30522} if args.smoke else QWEN3_06B
+    shape = {**SMALL_QWEN3, "max_position_embeddings": 16384, "vocab_size": 30522} if args.smoke else QWEN3_06B
     path = save_random_qwen3(Path(tempfile.mkdtemp(prefix="embedctl-qwen3-")) / "model", device=device, **shape)
     rng = np.random.default_rng(0)
     docs = [rng.integers(5, min(shape["vocab_size"], 30000), DOC_TOKENS).astype(np.int32) for _ in range(args.docs)]

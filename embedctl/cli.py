@@ -67,7 +67,7 @@ DtypeOpt = Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (defau
 # The engine's options, the same for every command that loads a model.
 BatchTokensOpt = Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU).")]
 MaxSeqsOpt = Annotated[int, typer.Option(help="Sequences per engine step.")]
-MaxLengthOpt = Annotated[Optional[int], typer.Option(help="Truncate at this many tokens (default: the model's).")]
+MaxLengthOpt = Annotated[Optional[int], typer.Option(help="Truncate at this many tokens, at most the model's positions (default: the model's max length).")]
 DimOpt = Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka), re-normalised when normalising.")]
 AttentionOpt = Annotated[str, typer.Option(help="auto, sdpa, varlen or flashinfer.")]
 EagerOpt = Annotated[bool, typer.Option(help="Run without CUDA graphs.")]

@@ -50,6 +50,9 @@ class ModelSpec:
         else:
             raise UserError(f"model type {model_type!r} is not supported yet; embedctl runs "
                             f"{', '.join(BERT_FAMILY + QWEN3_FAMILY)} models")
+        if config.max_length is not None and config.max_length > max_positions:
+            raise UserError(f"--max-length {config.max_length} is past the {max_positions} positions {files.name} "
+                            f"was trained for; pick at most {max_positions}")
         max_length = min(config.max_length or files.max_length, max_positions)
         if config.max_batch_tokens is not None and config.max_batch_tokens < max_length:
             raise UserError(f"--max-batch-tokens {config.max_batch_tokens} is smaller than the max length "

@@ -108,6 +108,12 @@ def test_cross_encoder_refuses_vector_options(tmp_path) -> None:
         Engine.load(str(path), EngineConfig(device="cpu", dim=8))
 
 
+def test_max_length_past_the_models_positions_is_refused(minilm_dir) -> None:
+    with pytest.raises(UserError, match="--max-length 513 is past the 512 positions .* pick at most 512"):
+        Engine.load(str(minilm_dir), EngineConfig(device="cpu", max_length=513))
+    assert Engine.load(str(minilm_dir), EngineConfig(device="cpu", max_length=512)).max_length == 512
+
+
 def test_dim_truncates_then_renormalises(minilm_dir) -> None:
     full = embedctl.load(str(minilm_dir), device="cpu", normalize=False).embed(TEXTS[:2])
     short = embedctl.load(str(minilm_dir), device="cpu", dim=128).embed(TEXTS[:2])

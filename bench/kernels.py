@@ -11,6 +11,7 @@ and cosine next to its time, so a fast but wrong kernel shows):
   qwen3_elementwise      Qwen3's SwiGLU and q/k norm + rotary: compiled as the engine does, static, eager, FlashInfer
   qwen3_residual         Qwen3's output GEMMs with the residual added by the GEMM (addmm_) then RMSNorm,
                          against the GEMM then one add + RMSNorm kernel
+  qwen3_blas             Qwen3's GEMMs through cuBLAS (torch's default) against cuBLASLt, with memsets per call
   layer_breakdown        the engine (random weights) on one replayed step: GPU time, time the GPU sat
                          idle inside the step, top kernels (encoder_breakdown: MiniLM and BERT-base only;
                          qwen3_breakdown: Qwen3-0.6B with the auto backend, FlashInfer where installed)
@@ -390,6 +391,38 @@ def qwen3_residual(repeats: int) -> list[Row]:
     return rows
 
 
+def qwen3_blas(repeats: int) -> list[Row]:
+    """Qwen3-0.6B's GEMMs as the engine calls them (F.linear; addmm_ into the residual for o_proj and
+    down) through cuBLAS, torch's default, against cuBLASLt (torch.backends.cuda.preferred_blas_library),
+    with the memsets each call adds to the stream (cuBLAS's cooperative kernels zero a workspace)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows: list[Row] = []
+    default = torch.backends.cuda.preferred_blas_library()
+    try:
+        for library in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(library)
+            for tokens in (128, 4096):
+                for name, (k_in, n_out) in QWEN3_GEMMS.items():
+                    x, w = randn(tokens, k_in), randn(n_out, k_in, scale=k_in ** -0.5)
+                    reference = x.float() @ w.float().t()
+                    if name in ("o_proj", "down"):
+                        residual = torch.zeros(tokens, n_out, device=DEVICE, dtype=DTYPE)
+                        call = functools.partial(residual.addmm_, x, w.t())
+                    else:
+                        call = functools.partial(F.linear, x, w)
+                    row = run_candidate(f"T={tokens} {name} {k_in}->{n_out}", library, lambda call=call: call, reference,
+                                        repeats, flops=2 * tokens * k_in * n_out)
+                    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+                        call()
+                        torch.cuda.synchronize()
+                    row["memsets"] = sum(e.count for e in trace.key_averages() if "Memset" in e.key)
+                    rows.append(row)
+    finally:
+        torch.backends.cuda.preferred_blas_library(default)
+    return rows
+
+
 # ---- 6-7. the engine ------------------------------------------------------------------------------
 
 @functools.cache
@@ -527,6 +560,7 @@ EXPERIMENTS: dict[str, Callable[[int], list[Row]]] = {
     "qwen3_gemms": qwen3_gemms,
     "qwen3_elementwise": qwen3_elementwise,
     "qwen3_residual": qwen3_residual,
+    "qwen3_blas": qwen3_blas,
     "layer_breakdown": layer_breakdown,
     "encoder_breakdown": functools.partial(layer_breakdown, configs=BREAKDOWN_CONFIGS[:2]),
     "qwen3_breakdown": functools.partial(layer_breakdown, configs=BREAKDOWN_CONFIGS[2:3]),

@@ -12,6 +12,7 @@ and cosine next to its time, so a fast but wrong kernel shows):
   qwen3_residual         Qwen3's output GEMMs with the residual added by the GEMM (addmm_) then RMSNorm,
                          against the GEMM then one add + RMSNorm kernel
   qwen3_blas             Qwen3's GEMMs through cuBLAS (torch's default) against cuBLASLt, with memsets per call
+  qwen3_gemm_forms       Qwen3's qkv and gate_up GEMMs as F.linear, addmm with a zero bias, mm on a transposed weight
   layer_breakdown        the engine (random weights) on one replayed step: GPU time, time the GPU sat
                          idle inside the step, top kernels (encoder_breakdown: MiniLM and BERT-base only;
                          qwen3_breakdown: Qwen3-0.6B with the auto backend, FlashInfer where installed)
@@ -423,6 +424,36 @@ def qwen3_blas(repeats: int) -> list[Row]:
     return rows
 
 
+def qwen3_gemm_forms(repeats: int) -> list[Row]:
+    """Qwen3's wide GEMMs (qkv, gate_up), whose cuBLAS kernels ran at 80-83% of the ceiling against
+    87-90% for o_proj and down at 4,096 tokens (run23), in other forms cuBLAS picks kernels for
+    differently: F.linear as the engine calls it, addmm with a zero bias (cuBLASLt's bias epilogue),
+    and a plain mm on the weight stored transposed ([in, out], so the GEMM is NN instead of TN)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows: list[Row] = []
+    for tokens in (128, 4096, 16384):
+        for name in ("qkv", "gate_up"):
+            k_in, n_out = QWEN3_GEMMS[name]
+            x, w = randn(tokens, k_in), randn(n_out, k_in, scale=k_in ** -0.5)
+            zero_bias, w_t = torch.zeros(n_out, device=DEVICE, dtype=DTYPE), w.t().contiguous()
+            reference = x.float() @ w.float().t()
+            forms = {"F.linear (engine)": functools.partial(F.linear, x, w),
+                     "addmm, zero bias": functools.partial(torch.addmm, zero_bias, x, w.t()),
+                     "mm, weight stored [in, out]": functools.partial(torch.mm, x, w_t)}
+            for form, call in forms.items():
+                row = run_candidate(f"T={tokens} {name} {k_in}->{n_out}", form, lambda call=call: call, reference,
+                                    repeats, flops=2 * tokens * k_in * n_out)
+                with profile(activities=[ProfilerActivity.CUDA]) as trace:
+                    call()
+                    torch.cuda.synchronize()
+                kernels = [e for e in trace.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+                row["memsets"] = sum(e.count for e in kernels if "Memset" in e.key)
+                row["kernel"] = max(kernels, key=lambda e: e.self_device_time_total).key[:60] if kernels else ""
+                rows.append(row)
+    return rows
+
+
 # ---- 6-7. the engine ------------------------------------------------------------------------------
 
 @functools.cache
@@ -561,6 +592,7 @@ EXPERIMENTS: dict[str, Callable[[int], list[Row]]] = {
     "qwen3_elementwise": qwen3_elementwise,
     "qwen3_residual": qwen3_residual,
     "qwen3_blas": qwen3_blas,
+    "qwen3_gemm_forms": qwen3_gemm_forms,
     "layer_breakdown": layer_breakdown,
     "encoder_breakdown": functools.partial(layer_breakdown, configs=BREAKDOWN_CONFIGS[:2]),
     "qwen3_breakdown": functools.partial(layer_breakdown, configs=BREAKDOWN_CONFIGS[2:3]),

@@ -195,8 +195,10 @@ def score(
                                text_col=text_col, id_col=id_col, query_prompt=query_prompt, doc_prompt=doc_prompt,
                                query_prompt_name=query_prompt_name, doc_prompt_name=doc_prompt_name)
         inputs = open_inputs(options)  # bad inputs should not wait for a model to load
-        config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens)
-        engine, tokenizer = _load(model, config)
+        config = query_config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens)
+        if inputs.table is not None:  # queries embedded as the table's documents were (dim, max length, ...)
+            query_config = inputs.table.query_config(ModelSpec.of(resolve_model(model), config), config)
+        engine, tokenizer = _load(model, query_config)
         ranking, metrics = run_score(engine, tokenizer, inputs, options,
                                      reranker=_load(reranker, config) if reranker is not None else None)
         write_run(ranking, options)

@@ -23,14 +23,14 @@ import sys
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from engine import Engine
+from engine import Engine, EngineConfig, ModelSpec
 from engine.batch import Packer
 from engine.errors import UserError, short_reason
 from pipelines.qrels import Metrics, Qrels, evaluate, read_qrels
@@ -169,12 +169,28 @@ class StoredVectors:
                          if key.startswith("embedctl.")}
         self.has_texts = text_col in schema.names
 
+    def query_config(self, spec: ModelSpec, config: EngineConfig) -> EngineConfig:
+        """config with the dim, max length and normalisation the table's vectors were made with, so
+        that queries are embedded as its documents were without the user repeating `index`'s flags.
+
+        spec is the query model's under config; it must be the model the table was built with (its
+        weights' sha256), or the table's dim and max length may mean nothing for it.
+        """
+        built = self.settings.get("weights_sha256")
+        if built is not None and built != spec.weights_sha256:
+            raise UserError(f"--index {self.path} was built with the model {self.settings.get('model')!r} (weights "
+                            f"sha256 {built[:12]}), not {spec.files.name}; pass the --model it was built with")
+        adopted = {"dim": int(self.settings["dim"]) if "dim" in self.settings else None,
+                   "max_length": int(self.settings["max_length"]) if "max_length" in self.settings else None,
+                   "normalize": self.settings["normalize"] == "true" if "normalize" in self.settings else None}
+        return replace(config, **{key: value for key, value in adopted.items() if value is not None})
+
     def check_model(self, engine: Engine) -> None:
         """Refuse to score a table's vectors against queries embedded with other model settings."""
         for key, value in engine.settings().items():
             if key != "model" and self.settings.get(key) != value:
                 raise UserError(f"--index {self.path} was built with {key} {self.settings.get(key)!r} but the query "
-                                f"model has {value!r}; pass the --model (and --dim) it was built with")
+                                f"model has {value!r}; pass the --model it was built with")
 
     def chunks(self, rows: int) -> Iterator[tuple[list[str], np.ndarray]]:
         for batch in self._batches(["id", "vector"], rows):

@@ -290,6 +290,32 @@ def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_d
         rank(other.engine, other.tokenizer, inputs.queries, inputs.table, options)
 
 
+def test_score_against_a_table_embeds_queries_with_the_tables_settings(tmp_path: Path, minilm_dir: Path) -> None:
+    # A table indexed with --dim and --max-length, scored with no flags but the model: the queries
+    # are embedded as its documents were, so the run equals one made in process with those settings.
+    table = tmp_path / "small.lance"
+    built = subprocess.run([sys.executable, "-m", "embedctl.cli", "index", str(CORPUS), "--out", str(table), "--model",
+                            str(minilm_dir), "--dim", "128", "--max-length", "64", "-q"], env=ENV, capture_output=True,
+                           text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    result = embedctl_score(QUERIES, "--index", table, "--model", minilm_dir, "--top-k", "3", "--out", "run.jsonl", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    options = ScoreOptions(queries=str(QUERIES), index=str(table), top_k=3)
+    inputs = open_inputs(options)
+    same = embedctl.load(str(minilm_dir), device="cpu", dim=128, max_length=64)
+    expected = rank(same.engine, same.tokenizer, inputs.queries, inputs.table, options)
+    assert [[r["doc_id"] for r in rows if r["query_id"] == q] for q in expected.query_ids] == expected.doc_ids
+
+
+def test_score_against_a_table_of_another_model_names_that_model(sample_table: Path, tmp_path: Path) -> None:
+    other = save_random_model(tmp_path / "other", pooling="mean")
+    _good_queries(tmp_path)
+    result = embedctl_score("queries.jsonl", "--index", sample_table, "--model", other, cwd=tmp_path)
+    assert_one_error_line(result, f"--index {sample_table} was built with the model", f"not {other};",
+                          "pass the --model it was built with")
+
+
 def _sample_docs() -> list[dict]:
     first = pq.read_table(CORPUS / "part-000.parquet").to_pylist()
     return first + [json.loads(line) for line in (CORPUS / "part-001.jsonl").read_text().splitlines()]

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
@@ -179,13 +180,17 @@ def score(
     doc_prompt: Annotated[Optional[str], typer.Option(help="Text put before every document, e.g. 'passage: ' (default: the model's 'document' prompt, if any).")] = None,
     query_prompt_name: Annotated[Optional[str], typer.Option(help="Name of a prompt in the model's sentence-transformers config, for queries.")] = None,
     doc_prompt_name: Annotated[Optional[str], typer.Option(help="Name of a prompt in the model's sentence-transformers config, for documents.")] = None,
+    max_length: MaxLengthOpt = None,
+    dim: DimOpt = None,
     max_batch_tokens: BatchTokensOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the summary and metrics as JSON to this file.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary line.")] = False,
 ) -> None:
-    """Rank documents for every query in QUERIES by cosine (bi-encoder), optionally rerank, and write the top-k."""
+    """Rank documents for every query in QUERIES by cosine (bi-encoder), optionally rerank, and write the top-k.
+
+    With --index, the queries take the table's dim and max length unless given here."""
     from pipelines.score import ScoreOptions, open_inputs, run_score, write_run
 
     def run() -> None:
@@ -195,9 +200,10 @@ def score(
                                text_col=text_col, id_col=id_col, query_prompt=query_prompt, doc_prompt=doc_prompt,
                                query_prompt_name=query_prompt_name, doc_prompt_name=doc_prompt_name)
         inputs = open_inputs(options)  # bad inputs should not wait for a model to load
-        config = query_config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens)
+        config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens)  # the reranker's
+        query_config = replace(config, max_length=max_length, dim=dim)
         if inputs.table is not None:  # queries embedded as the table's documents were (dim, max length, ...)
-            query_config = inputs.table.query_config(ModelSpec.of(resolve_model(model), config), config)
+            query_config = inputs.table.query_config(ModelSpec.of(resolve_model(model), query_config), query_config)
         engine, tokenizer = _load(model, query_config)
         ranking, metrics = run_score(engine, tokenizer, inputs, options,
                                      reranker=_load(reranker, config) if reranker is not None else None)

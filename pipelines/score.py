@@ -170,8 +170,9 @@ class StoredVectors:
         self.has_texts = text_col in schema.names
 
     def query_config(self, spec: ModelSpec, config: EngineConfig) -> EngineConfig:
-        """config with the dim, max length and normalisation the table's vectors were made with, so
-        that queries are embedded as its documents were without the user repeating `index`'s flags.
+        """config with the dim, max length and normalisation the table's vectors were made with where
+        config leaves them unset, so that queries are embedded as its documents were without the user
+        repeating `index`'s flags (one given otherwise meets check_model's error).
 
         spec is the query model's under config; it must be the model the table was built with (its
         weights' sha256), or the table's dim and max length may mean nothing for it.
@@ -183,14 +184,16 @@ class StoredVectors:
         adopted = {"dim": int(self.settings["dim"]) if "dim" in self.settings else None,
                    "max_length": int(self.settings["max_length"]) if "max_length" in self.settings else None,
                    "normalize": self.settings["normalize"] == "true" if "normalize" in self.settings else None}
-        return replace(config, **{key: value for key, value in adopted.items() if value is not None})
+        return replace(config, **{key: value for key, value in adopted.items()
+                                   if value is not None and getattr(config, key) is None})
 
     def check_model(self, engine: Engine) -> None:
         """Refuse to score a table's vectors against queries embedded with other model settings."""
         for key, value in engine.settings().items():
             if key != "model" and self.settings.get(key) != value:
                 raise UserError(f"--index {self.path} was built with {key} {self.settings.get(key)!r} but the query "
-                                f"model has {value!r}; pass the --model it was built with")
+                                f"model has {value!r}; score with the model and settings it was built with (without "
+                                "--dim and --max-length the table's are taken)")
 
     def chunks(self, rows: int) -> Iterator[tuple[list[str], np.ndarray]]:
         for batch in self._batches(["id", "vector"], rows):

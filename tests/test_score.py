@@ -306,6 +306,13 @@ def test_score_against_a_table_embeds_queries_with_the_tables_settings(tmp_path:
     same = embedctl.load(str(minilm_dir), device="cpu", dim=128, max_length=64)
     expected = rank(same.engine, same.tokenizer, inputs.queries, inputs.table, options)
     assert [[r["doc_id"] for r in rows if r["query_id"] == q] for q in expected.query_ids] == expected.doc_ids
+    # The documents themselves with the same flags give the same run; a flag against the table is refused.
+    from_files = embedctl_score(QUERIES, CORPUS, "--model", minilm_dir, "--dim", "128", "--max-length", "64", "--top-k", "3",
+                                cwd=tmp_path)
+    assert from_files.returncode == 0, from_files.stderr
+    assert [json.loads(line)["doc_id"] for line in from_files.stdout.splitlines()] == [r["doc_id"] for r in rows]
+    conflict = embedctl_score(QUERIES, "--index", table, "--model", minilm_dir, "--dim", "64", cwd=tmp_path)
+    assert_one_error_line(conflict, "was built with dim '128' but the query model has '64'", "settings it was built with")
 
 
 def test_score_against_a_table_of_another_model_names_that_model(sample_table: Path, tmp_path: Path) -> None:

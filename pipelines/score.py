@@ -181,11 +181,9 @@ class StoredVectors:
         if built is not None and built != spec.weights_sha256:
             raise UserError(f"--index {self.path} was built with the model {self.settings.get('model')!r} (weights "
                             f"sha256 {built[:12]}), not {spec.files.name}; pass the --model it was built with")
-        adopted = {"dim": int(self.settings["dim"]) if "dim" in self.settings else None,
-                   "max_length": int(self.settings["max_length"]) if "max_length" in self.settings else None,
-                   "normalize": self.settings["normalize"] == "true" if "normalize" in self.settings else None}
-        return replace(config, **{key: value for key, value in adopted.items()
-                                   if value is not None and getattr(config, key) is None})
+        recorded = {"dim": int, "max_length": int, "normalize": lambda value: value == "true"}
+        return replace(config, **{key: parse(self.settings[key]) for key, parse in recorded.items()
+                                   if key in self.settings and getattr(config, key) is None})
 
     def check_model(self, engine: Engine) -> None:
         """Refuse to score a table's vectors against queries embedded with other model settings."""

@@ -4,13 +4,26 @@ Texts are stripped (as sentence-transformers does), truncated at the model's max
 tokens included) and never padded: the engine packs sequences back to back. Each result says how
 many tokens were kept and whether the text was cut. Batch encoding runs in Rust threads and
 releases the GIL, so a pipeline thread can tokenize while the engine computes; its fast variant
-skips the character offsets nobody here reads. Long texts are tokenized only as far as the kept
-tokens need (TextTokenizer.encode).
+skips the character offsets nobody here reads.
+
+Three things spare the tokenizer work whose result would be thrown away; each gives exactly the ids
+the library gives for the whole text (tests/test_tokenize.py):
+- long texts are tokenized only as far as the kept tokens need (TextTokenizer.encode);
+- ASCII texts skip the library's normalizer, which keeps an alignment for every character and took
+  38% of MiniLM's tokenizer time: on ASCII its effect is a str.translate and a str.lower
+  (ascii_normalizer), which CPython runs at memory speed;
+- a cross-encoder's few long pairs are tokenized in pieces on every core rather than one pair per
+  core, and put together with the tokenizer's own pair template (TextTokenizer.encode_pairs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import itertools
+import json
+import os
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +38,19 @@ ROLE_PROMPTS = {"query": ("query",), "document": ("document", "passage", "corpus
 # A long text is first cut at a space before this many characters per kept token, then, if that
 # was too few, at twice as many, and so on (see TextTokenizer.encode).
 CUT_CHARS_PER_TOKEN = 5
+# The tokenizer's Rust threads (rayon sizes its pool by the cores this process may use).
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+# Pairs' documents are split into about CORES pieces, none shorter than this: each piece costs a
+# Python object and a list of ids, which outweigh the parallel work below a few dozen tokens.
+MIN_PIECE_CHARS = 256
+# BertNormalizer's clean_text on ASCII: tab, newline and return become spaces, other control characters
+# go. As a bytes.translate: a str.translate with a dict took four times as long.
+_ASCII_SPACES = bytes.maketrans(b"\t\n\r", b"   ")
+_ASCII_CONTROLS = bytes(code for code in (*range(0x20), 0x7F) if code not in b"\t\n\r")
+# Normal forms change no ASCII character.
+_ASCII_UNCHANGED = ("NFC", "NFD", "NFKC", "NFKD")
+
+Template = list[tuple[str | np.ndarray, int]]  # "A", "B" or special-token ids, each with its token type
 
 
 @dataclass(frozen=True)
@@ -46,60 +72,204 @@ class TextTokenizer:
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length)
         self.max_length = max_length
+        spec = json.loads(self.tokenizer.to_str())
+        self._normalize = ascii_normalizer(spec["normalizer"])
+        # Texts the normalizer would leave as they are go to copies without it: `bare` truncates as
+        # the tokenizer does, `bare_pieces` neither truncates nor adds special tokens.
+        self._every_text = spec["normalizer"] is None  # else only ASCII texts have a known normal form
+        self._bare = self.tokenizer if self._every_text else _without_normalizer(spec, truncate=True) if self._normalize else None
+        self._bare_pieces = _without_normalizer(spec, truncate=False) if self._normalize else None
+        # An added token is matched before normalization or after it, so a text holding one, in
+        # either form, goes to the tokenizer whole.
+        normalized = self.tokenizer.normalizer.normalize_str if self.tokenizer.normalizer else str
+        forms = {form for token in spec["added_tokens"] for form in (token["content"], normalized(token["content"])) if form}
+        self._added = re.compile("|".join(map(re.escape, sorted(forms)))) if forms else None
+        self._pair_template = pair_template(spec["post_processor"])
 
     def encode(self, texts: Sequence[str]) -> Encoded:
-        """Token ids of each text, truncated at max_length, exactly as the tokenizer gives them.
-
-        The tokenizer's work grows with the whole text while only the first max_length tokens are
-        kept: in the docstrings corpus 55% of the tokens lie past 256. So a long text is first cut
-        at a space before max_length * CUT_CHARS_PER_TOKEN characters. Every piece before such a
-        space tokenizes as it does in the whole text, so a cut that still overflows has the whole
-        text's first max_length tokens. A cut that does not (more than five characters per token:
-        the docstrings corpus needs 3.6 at the median and 5.5 at most) is cut again at twice the
-        length, until it overflows or is whole; the wasted work stays below twice the text's own.
-        """
+        """Token ids of each text, truncated at max_length, exactly as the tokenizer gives them."""
         texts = [text.strip() for text in texts]
+        bare = [self._bare_text(text) for text in texts]
         encodings: list[Encoding | None] = [None] * len(texts)
-        pending, limit = list(range(len(texts))), self.max_length * CUT_CHARS_PER_TOKEN
-        while pending:
-            cuts = [_cut(texts[i], limit) for i in pending]
-            retry = []
-            for i, cut, encoding in zip(pending, cuts, self.tokenizer.encode_batch_fast(cuts)):
-                if encoding.overflowing or len(cut) == len(texts[i]):
-                    encodings[i] = encoding
-                else:
-                    retry.append(i)
-            pending, limit = retry, limit * 2
+        for rows, tokenizer, inputs in self._routes(bare, texts):
+            for row, encoding in zip(rows, encode_cut(tokenizer, inputs, self.max_length)):
+                encodings[row] = encoding
         return Encoded(ids=[np.asarray(e.ids, dtype=np.int32) for e in encodings],
                        truncated=[bool(e.overflowing) for e in encodings])
+
+    def _routes(self, bare: list[str | None], texts: list[str]) -> list[tuple[list[int], Tokenizer, list[str]]]:
+        """The rows whose normal form is known, with the bare tokenizer; the others, with the tokenizer."""
+        known = [row for row, text in enumerate(bare) if text is not None]
+        others = [row for row, text in enumerate(bare) if text is None]
+        routes = [(known, self._bare, [bare[row] for row in known]), (others, self.tokenizer, [texts[row] for row in others])]
+        return [route for route in routes if route[0]]
+
+    def _bare_text(self, text: str) -> str | None:
+        """The text as the normalizer leaves it, when that is known here and no added token is in it."""
+        if self._normalize is None or not (self._every_text or text.isascii()):
+            return None
+        normalized = self._normalize(text)
+        return None if self._added and self._added.search(normalized) else normalized
 
     def encode_pairs(self, firsts: Sequence[str], seconds: Sequence[str]) -> Encoded:
         """[CLS] first [SEP] second [SEP] with token types 0 then 1, as a cross-encoder reads a pair.
 
         Over-long pairs lose tokens from the longer side first, as transformers' tokenizers do: when
         the first text (a query) has at most half of the room, it is kept whole and the second text
-        (a document) gets the rest. So a long document is cut as encode() cuts a text, at a space
-        before CUT_CHARS_PER_TOKEN characters per token of that rest; when the pair still overflows,
-        the document kept exactly the tokens it keeps whole. Other pairs (a long query, or a cut that
-        fell short) are encoded whole. This spares the tokenizing of whatever a long document has
-        past its kept tokens; the cross-encoder suite's documents (about 700 tokens) lose 12% of their
-        characters, too little to show on the H200 (run17).
+        (a document) keeps the rest. Those pairs are put together here (_pairs_in_pieces) when both
+        texts' normal forms are known and the tokenizer's pair template can be read; the tokenizer
+        encodes every other pair whole.
         """
         pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
-        room = self.max_length - self.tokenizer.num_special_tokens_to_add(True)
-        unique = list(dict.fromkeys(first for first, _ in pairs))
-        # At most max_length tokens of each: enough to tell whether it has half the room or less.
-        first_tokens = dict(zip(unique, (len(e) for e in self.tokenizer.encode_batch_fast(unique, add_special_tokens=False))))
-        cuts = [_cut(b, (room - first_tokens[a]) * CUT_CHARS_PER_TOKEN) if first_tokens[a] <= room // 2 else b
-                for a, b in pairs]
-        encodings = self.tokenizer.encode_batch_fast([(a, cut) for (a, _), cut in zip(pairs, cuts)])
-        whole = [i for i, (encoding, cut) in enumerate(zip(encodings, cuts))
-                 if len(cut) < len(pairs[i][1]) and not encoding.overflowing]
+        in_pieces = self._pair_template is not None and self._bare_pieces is not None
+        results = self._pairs_in_pieces(pairs) if in_pieces else [None] * len(pairs)
+        whole = [i for i, result in enumerate(results) if result is None]
         for i, encoding in zip(whole, self.tokenizer.encode_batch_fast([pairs[i] for i in whole])):
-            encodings[i] = encoding
-        return Encoded(ids=[np.asarray(e.ids, dtype=np.int32) for e in encodings],
-                       truncated=[bool(e.overflowing) for e in encodings],
-                       type_ids=[np.asarray(e.type_ids, dtype=np.int32) for e in encodings])
+            results[i] = (np.asarray(encoding.ids, dtype=np.int32), np.asarray(encoding.type_ids, dtype=np.int32),
+                          bool(encoding.overflowing))
+        return Encoded(ids=[ids for ids, _, _ in results], truncated=[truncated for _, _, truncated in results],
+                       type_ids=[types for _, types, _ in results])
+
+    def _pairs_in_pieces(self, pairs: list[tuple[str, str]]) -> list[tuple[np.ndarray, np.ndarray, bool] | None]:
+        """(ids, types, truncated) of each pair with a short query and known normal forms; None for the rest.
+
+        The tokenizer gives each text one thread, so five pairs of 512 tokens took as long as one
+        (2.1 ms on the H200 host, run20). Here each document is cut as encode() cuts a text, at
+        CUT_CHARS_PER_TOKEN characters per token of the room the query leaves, and the cuts are
+        split at suitable spaces (see _cut) into about one piece per core, all tokenized at once.
+        A document's pieces hold its cut's tokens, and the cut holds the whole document's first
+        tokens once it has as many as the room; a cut with fewer (and not whole) is left to the
+        tokenizer. The pair is the template's special tokens around the query and the kept tokens.
+        """
+        bare = {text: self._bare_text(text) for pair in pairs for text in pair}
+        usable = [i for i, (a, b) in enumerate(pairs) if bare[a] is not None and bare[b] is not None]
+        queries = list(dict.fromkeys(bare[pairs[i][0]] for i in usable))
+        query_ids = dict(zip(queries, (np.asarray(e.ids, dtype=np.int32) for e in
+                                       self._bare_pieces.encode_batch_fast(queries, add_special_tokens=False))))
+        room = self.max_length - self.tokenizer.num_special_tokens_to_add(True)
+        cuts: dict[int, tuple[str, bool]] = {}  # pair -> (cut document, whether it is the whole document)
+        for i in usable:
+            left = room - len(query_ids[bare[pairs[i][0]]])
+            if left >= room - room // 2 and left > 0:  # the query has at most half of the room
+                document = bare[pairs[i][1]]
+                cut = _cut(document, left * CUT_CHARS_PER_TOKEN)
+                cuts[i] = cut, len(cut) == len(document)
+        document_ids = self._in_pieces(list(dict.fromkeys(cut for cut, _ in cuts.values())))
+        results: list[tuple[np.ndarray, np.ndarray, bool] | None] = [None] * len(pairs)
+        for i, (cut, whole) in cuts.items():
+            query, document = query_ids[bare[pairs[i][0]]], document_ids[cut]
+            left = room - len(query)
+            if whole or len(document) >= left:
+                results[i] = self._fill_template(query, document[:left]) + (not whole or len(document) > left,)
+        return results
+
+    def _in_pieces(self, texts: list[str]) -> dict[str, np.ndarray]:
+        """Each text's ids without special tokens, its pieces tokenized in parallel."""
+        piece_chars = max(MIN_PIECE_CHARS, sum(map(len, texts)) // CORES)
+        pieces, owners = [], []
+        for text in texts:
+            start = 0
+            while True:
+                end = start + len(_cut(text[start:], piece_chars))
+                pieces.append(text[start:end])
+                owners.append(text)
+                if end == len(text):
+                    break
+                start = end
+        parts: dict[str, list[list[int]]] = {text: [] for text in texts}
+        for owner, encoding in zip(owners, self._bare_pieces.encode_batch_fast(pieces, add_special_tokens=False)):
+            parts[owner].append(encoding.ids)
+        return {text: np.asarray(list(itertools.chain.from_iterable(part)), dtype=np.int32) for text, part in parts.items()}
+
+    def _fill_template(self, first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        sequences = {"A": first, "B": second}
+        segments = [sequences[part] if isinstance(part, str) else part for part, _ in self._pair_template]
+        types = [np.full(len(segment), type_id, dtype=np.int32) for segment, (_, type_id) in zip(segments, self._pair_template)]
+        return np.concatenate(segments).astype(np.int32, copy=False), np.concatenate(types)
+
+
+def encode_cut(tokenizer: Tokenizer, texts: list[str], max_length: int) -> list[Encoding]:
+    """Each text's encoding, truncated at max_length, tokenizing only as much of a long text as that needs.
+
+    The tokenizer's work grows with the whole text while only the first max_length tokens are
+    kept: in the docstrings corpus 55% of the tokens lie past 256. So a long text is first cut
+    at a space before max_length * CUT_CHARS_PER_TOKEN characters. Every piece before such a
+    space tokenizes as it does in the whole text, so a cut that still overflows has the whole
+    text's first max_length tokens. A cut that does not (more than five characters per token:
+    the docstrings corpus needs 3.6 at the median and 5.5 at most) is cut again at twice the
+    length, until it overflows or is whole; the wasted work stays below twice the text's own.
+    """
+    encodings: list[Encoding | None] = [None] * len(texts)
+    pending, limit = list(range(len(texts))), max_length * CUT_CHARS_PER_TOKEN
+    while pending:
+        cuts = [_cut(texts[i], limit) for i in pending]
+        retry = []
+        for i, cut, encoding in zip(pending, cuts, tokenizer.encode_batch_fast(cuts)):
+            if encoding.overflowing or len(cut) == len(texts[i]):
+                encodings[i] = encoding
+            else:
+                retry.append(i)
+        pending, limit = retry, limit * 2
+    return encodings
+
+
+def ascii_normalizer(spec: dict | None) -> Callable[[str], str] | None:
+    """What a tokenizer's normalizer does to ASCII text, as str methods; None where that is not known.
+
+    BertNormalizer's clean_text drops control characters and turns tab, newline and return into
+    spaces; Chinese characters and accents are not ASCII; lowercase is str.lower. Unicode normal
+    forms change no ASCII character and Lowercase is str.lower. A Sequence applies its steps in
+    order. No normalizer at all leaves every text, ASCII or not, as it is.
+    """
+    steps = _ascii_steps(spec)
+    return None if steps is None else functools.partial(_apply, steps)
+
+
+def _ascii_steps(spec: dict | None) -> list[Callable[[str], str]] | None:
+    if spec is None or spec["type"] in _ASCII_UNCHANGED:
+        return []
+    if spec["type"] == "Lowercase":
+        return [str.lower]
+    if spec["type"] == "BertNormalizer":
+        return [_clean_ascii] * spec["clean_text"] + [str.lower] * spec["lowercase"]
+    if spec["type"] == "Sequence":
+        steps = [_ascii_steps(step) for step in spec["normalizers"]]
+        return None if any(step is None for step in steps) else [f for step in steps for f in step]
+    return None
+
+
+def _clean_ascii(text: str) -> str:
+    return text.encode("ascii").translate(_ASCII_SPACES, _ASCII_CONTROLS).decode("ascii")
+
+
+def _apply(steps: list[Callable[[str], str]], text: str) -> str:
+    for step in steps:
+        text = step(text)
+    return text
+
+
+def pair_template(spec: dict | None) -> Template | None:
+    """How the tokenizer's post-processor lays out a pair: "A", "B" and special-token ids, each with
+    its token type. None for any other post-processor, or none (their pairs are encoded whole)."""
+    if spec is None:
+        return None
+    if spec["type"] == "BertProcessing":
+        cls, sep = np.array([spec["cls"][1]], dtype=np.int32), np.array([spec["sep"][1]], dtype=np.int32)
+        return [(cls, 0), ("A", 0), (sep, 0), ("B", 1), (sep, 1)]
+    if spec["type"] != "TemplateProcessing":
+        return None
+    template: Template = []
+    for item in spec["pair"]:
+        if "Sequence" in item:
+            template.append((item["Sequence"]["id"], item["Sequence"]["type_id"]))
+        else:
+            ids = spec["special_tokens"][item["SpecialToken"]["id"]]["ids"]
+            template.append((np.array(ids, dtype=np.int32), item["SpecialToken"]["type_id"]))
+    return template if [part for part, _ in template if isinstance(part, str)] == ["A", "B"] else None
+
+
+def _without_normalizer(spec: dict, truncate: bool) -> Tokenizer:
+    return Tokenizer.from_str(json.dumps({**spec, "normalizer": None, "truncation": spec["truncation"] if truncate else None}))
 
 
 def _cut(text: str, limit: int) -> str:

@@ -1,22 +1,24 @@
-"""TextTokenizer cuts long texts before tokenizing them: the ids must be exactly the uncut text's.
+"""TextTokenizer's shortcuts must give exactly the library's ids for the whole text or pair.
 
-Checked for the three tokenizer families embedctl meets: WordPiece (BERT, MiniLM: the real
-all-MiniLM-L6-v2 tokenizer), byte-level BPE (Qwen3) and Unigram with Metaspace (XLM-R); the last two
-are trained here on the sample corpus, as no such tokenizer ships offline.
+It cuts long texts before tokenizing them, normalizes ASCII texts itself, and tokenizes pairs'
+documents in pieces. Checked for the three tokenizer families embedctl meets: WordPiece (BERT,
+MiniLM: the real all-MiniLM-L6-v2 tokenizer), byte-level BPE (Qwen3) and Unigram with Metaspace and
+NFKC (XLM-R); the last two are trained here on the sample corpus, as no such tokenizer ships offline.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from engine.checkpoint import resolve_model
 from pipelines import tokenize
-from pipelines.tokenize import CUT_CHARS_PER_TOKEN, TextTokenizer
+from pipelines.tokenize import CUT_CHARS_PER_TOKEN, TextTokenizer, ascii_normalizer, encode_cut
 
 CORPUS = sorted(Path("sample_data/corpus").glob("*.parquet"))
 
@@ -36,6 +38,16 @@ def awkward_texts(max_length: int) -> list[str]:
         pieces, size = [], 0
         while size < limit * 1.5:
             piece = rng.choice(words) + rng.choice([" ", "  ", "\n", "\n\n", "", " " * rng.randint(3, 40)])
+            pieces.append(piece)
+            size += len(piece)
+        texts.append("".join(pieces))
+    # ASCII only, so normalized here: control characters, every kind of line break, capitals, and the
+    # special tokens' texts in both cases (which the library matches before normalizing).
+    ascii_words = ["Word", "x", "[CLS]", "[mask]", "[SEP]x", "a\x00b", "c\x0bd", "e\x7f", "\r\n", "TAB\tX", "(a,b)", "don't"]
+    for _ in range(30):
+        pieces, size = [], 0
+        while size < limit * 1.5:
+            piece = rng.choice(ascii_words) + rng.choice([" ", "  ", "\n", "", " " * rng.randint(3, 40)])
             pieces.append(piece)
             size += len(piece)
         texts.append("".join(pieces))
@@ -68,6 +80,7 @@ def trained(kind: str, directory: Path) -> Path:
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
         trainer = trainers.UnigramTrainer(vocab_size=800, unk_token="<unk>", special_tokens=["<unk>"])
     tokenizer.train_from_iterator(corpus_texts(), trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A:0 $B:1")  # as cross-encoders have
     tokenizer.save(str(path))
     return path
 
@@ -124,26 +137,113 @@ def test_pairs_with_cut_documents_give_the_whole_pairs_tokens(tokenizers_dir: Pa
 
 
 class CountingTokenizer:
-    """Passes every encode_batch_fast to the real tokenizer and keeps the lengths of the texts it got."""
+    """Passes every call to the real tokenizer and keeps the lengths of the texts (or pairs) it encoded."""
 
     def __init__(self, real: Tokenizer) -> None:
         self.real, self.calls = real, []
 
-    def encode_batch_fast(self, texts: list[str]) -> list:
+    def encode_batch_fast(self, texts: list, **options: bool) -> list:
         self.calls.append([len(text) for text in texts])
-        return self.real.encode_batch_fast(texts)
+        return self.real.encode_batch_fast(texts, **options)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
 
 
 def test_a_cut_that_falls_short_is_widened_until_it_overflows() -> None:
     """'international ' is one WordPiece token per 14 characters: cuts at 5 and 10 characters per token
     hold too few tokens, the cut at 20 overflows, so the text is encoded three times, never whole."""
     path = resolve_model(None).tokenizer_file
-    tokenizer = TextTokenizer(path, 16)
-    counting = tokenizer.tokenizer = CountingTokenizer(tokenizer.tokenizer)
+    counting = CountingTokenizer(whole_tokenizer(path, 16))
     text = "international " * 40
 
-    encoded = tokenizer.encode([text])
+    encoded = encode_cut(counting, [text.strip()], 16)
 
-    assert encoded.ids[0].tolist() == whole_tokenizer(path, 16).encode(text.strip()).ids
-    assert encoded.truncated == [True]
+    assert encoded[0].ids == whole_tokenizer(path, 16).encode(text.strip()).ids
     assert len(counting.calls) == 3 and counting.calls[-1][0] < len(text.strip())
+
+
+def normalizer_spec(normalizer: normalizers.Normalizer) -> dict:
+    tokenizer = Tokenizer(models.WordPiece({"[UNK]": 0}, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizer
+    return json.loads(tokenizer.to_str())["normalizer"]
+
+
+@pytest.mark.parametrize("normalizer", [
+    *(normalizers.BertNormalizer(clean_text=clean, lowercase=lower, strip_accents=accents, handle_chinese_chars=chinese)
+      for clean in (True, False) for lower in (True, False) for accents in (None, True, False) for chinese in (True, False)),
+    normalizers.Lowercase(), normalizers.NFC(), normalizers.NFKC(), normalizers.NFD(), normalizers.NFKD(),
+    normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase(), normalizers.BertNormalizer()]),
+], ids=repr)
+def test_ascii_normalization_equals_the_library_on_every_ascii_character(normalizer: normalizers.Normalizer) -> None:
+    every = "".join(map(chr, range(128)))
+    texts = [every, every[::-1], *(f"Ab{c}Cd {c}" for c in every), "  Mixed CASE\ttext\r\n[CLS] x\x00y  "]
+
+    normalize = ascii_normalizer(normalizer_spec(normalizer))
+
+    assert [normalize(text) for text in texts] == [normalizer.normalize_str(text) for text in texts]
+
+
+@pytest.mark.parametrize("normalizer", [normalizers.Replace("a", "b"), normalizers.Prepend("x"), normalizers.Strip(),
+                                        normalizers.Sequence([normalizers.NFC(), normalizers.Replace("a", "b")])], ids=repr)
+def test_a_normalizer_whose_ascii_effect_is_not_known_here_is_left_to_the_library(normalizer: normalizers.Normalizer) -> None:
+    assert ascii_normalizer(normalizer_spec(normalizer)) is None
+
+
+def test_a_tokenizer_that_prepends_to_every_input_gives_the_librarys_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama-style tokenizers put a marker in front of the whole input: no text may skip that normalizer,
+    and no document may be split into pieces that would each get the marker."""
+    monkeypatch.setattr(tokenize, "MIN_PIECE_CHARS", 7)
+    tokenizer = Tokenizer.from_file(str(resolve_model(None).tokenizer_file))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("zz "), normalizers.Lowercase()])
+    path = tmp_path / "prepend.json"
+    tokenizer.save(str(path))
+    docs = corpus_texts()[:50]
+    expected_pairs = whole_tokenizer(path, 128).encode_batch_fast([("a query", doc.strip()) for doc in docs])
+    expected_texts = whole_tokenizer(path, 128).encode_batch_fast([doc.strip() for doc in docs])
+
+    encoded_pairs = TextTokenizer(path, 128).encode_pairs(["a query"] * len(docs), docs)
+    encoded_texts = TextTokenizer(path, 128).encode(docs)
+
+    assert [ids.tolist() for ids in encoded_pairs.ids] == [e.ids for e in expected_pairs]
+    assert [ids.tolist() for ids in encoded_texts.ids] == [e.ids for e in expected_texts]
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "wordpiece-bert-processing", "bpe", "unigram"])
+@pytest.mark.parametrize("piece_chars", [7, tokenize.MIN_PIECE_CHARS])
+def test_pairs_put_together_from_pieces_give_the_whole_pairs_tokens(tokenizers_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   kind: str, piece_chars: int) -> None:
+    """Pieces of 7 characters split a document at nearly every suitable space; the tokenizer itself
+    encodes only the pairs this cannot put together (long queries, special tokens' texts, non-ASCII)."""
+    monkeypatch.setattr(tokenize, "MIN_PIECE_CHARS", piece_chars)
+    monkeypatch.setattr(tokenize, "CORES", 10_000)  # as many pieces as the minimum allows
+    path = tokenizer_path(kind, tokenizers_dir)
+    max_length = 128
+    docs = [text for text in corpus_texts()[:60] + awkward_texts(max_length) if text.strip().isascii()]
+    # The last two queries need the whole pair encoded: one holds [CLS] (for WordPiece), one is long.
+    queries = ["how to read a file", "Which CLASS\treads tokens?", "x", "y z", "[CLS] as text", docs[-1][:900]] * len(docs)
+    pairs = list(zip(queries, docs))
+    expected = whole_tokenizer(path, max_length).encode_batch_fast([(a.strip(), b.strip()) for a, b in pairs])
+    tokenizer = TextTokenizer(path, max_length)
+    counting = tokenizer.tokenizer = CountingTokenizer(tokenizer.tokenizer)
+
+    encoded = tokenizer.encode_pairs([a for a, _ in pairs], [b for _, b in pairs])
+
+    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
+    assert [types.tolist() for types in encoded.type_ids] == [e.type_ids for e in expected]
+    assert encoded.truncated == [bool(e.overflowing) for e in expected]
+    assert sum(encoded.truncated) > 20
+    encoded_whole = sum(len(call) for call in counting.calls)
+    assert 0 < encoded_whole < len(pairs) // 2
+
+
+def tokenizer_path(kind: str, directory: Path) -> Path:
+    if kind == "wordpiece":
+        return resolve_model(None).tokenizer_file
+    if kind == "wordpiece-bert-processing":
+        path = directory / "bert-processing.json"
+        tokenizer = Tokenizer.from_file(str(resolve_model(None).tokenizer_file))
+        tokenizer.post_processor = processors.BertProcessing(("[SEP]", 102), ("[CLS]", 101))
+        tokenizer.save(str(path))
+        return path
+    return trained(kind, directory)

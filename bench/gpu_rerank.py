@@ -1,7 +1,7 @@
 """The low-latency ranking suite: a cross-encoder scoring 5, 25 and 50 (query, document) pairs of 512 tokens.
 
 Ours: pipelines.score.pair_scores, the path `embedctl score --reranker` runs (pairs tokenized in
-groups of one per core and then doubling, each enqueued at once so tokenizing overlaps the device; CUDA graphs, pinned
+groups that double, each enqueued at once so tokenizing overlaps the device; CUDA graphs, pinned
 readback); beside it, its two parts alone: the tokenizer in the same groups, and the model on the
 pairs tokenized beforehand. Peer: sentence-transformers' CrossEncoder.predict on the same checkpoint
 and GPU, in fp16 and fp32 (its default). Both include tokenization and the copy of the scores to the
@@ -22,7 +22,7 @@ import torch
 
 from bench.common import percentiles
 from engine import Engine, EngineConfig
-from pipelines.score import PAIRS_PER_GROUP, pair_scores
+from pipelines.score import pair_groups, pair_scores
 from pipelines.tokenize import TextTokenizer
 from tests.models import BERT_BASE, SMALL_BERT, save_random_model
 
@@ -72,11 +72,9 @@ def main() -> None:
 
 
 def tokenize_in_groups(tokenizer: TextTokenizer, queries: list[str], texts: list[str]) -> None:
-    """The tokenizer's share of pair_scores: the same groups, one per core and then doubling."""
-    start, group = 0, PAIRS_PER_GROUP
-    while start < len(queries):
-        tokenizer.encode_pairs(queries[start: start + group], texts[start: start + group])
-        start, group = start + group, group * 2
+    """The tokenizer's share of pair_scores: the same groups."""
+    for start, end in pair_groups(len(queries)):
+        tokenizer.encode_pairs(queries[start:end], texts[start:end])
 
 
 def long_documents(corpus: Path, tokenizer: TextTokenizer, count: int) -> list[str]:

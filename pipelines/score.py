@@ -43,9 +43,9 @@ TREC_RUN_TAG = "embedctl"
 QUERY_BLOCK = 4096
 # Queries whose (query, document) pairs are tokenized and reranked together: bounds the pairs in memory.
 RERANK_QUERY_BLOCK = 256
-# The first pairs tokenized together when reranking: one per core, as each pair is one Rust thread's work
-# (see pair_scores).
-PAIRS_PER_GROUP = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+# The first pairs tokenized and enqueued together when reranking; each later group is twice as large
+# (see pair_groups).
+FIRST_PAIR_GROUP = 4
 _WHITESPACE = re.compile(r"\s")
 
 
@@ -305,27 +305,38 @@ def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking
 def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], seconds: list[str]) -> np.ndarray:
     """A cross-encoder's score for each (first, second) pair, float32 [pairs].
 
-    For a handful of long pairs, tokenizing costs as much as the model, and the tokenizer gives each
-    pair one thread. So the first PAIRS_PER_GROUP pairs (one per core) are tokenized and enqueued at
-    once, in steps under the token budget, and each later group is twice the one before: the
-    tokenizer works on the next group while the device runs this one. On the H200 host (16 cores),
-    5 pairs of 512 tokens took 2.2 ms to tokenize and 50 pairs in these groups 12.0 ms (12.4 in
-    fixed groups of 16), while one call on all 50 took 7.0 ms before the ids became arrays
-    (bench/results/gpu-2026-11-30-run16-rerank-breakdown, run17-rerank-cut).
+    For a handful of long pairs, tokenizing costs as much as the model. So the pairs are tokenized
+    in groups (pair_groups), each enqueued at once in steps under the token budget, and the
+    tokenizer works on the next group while the device runs this one.
     """
     packer = Packer(reranker.max_batch_tokens, reranker.config.max_seqs)
-    pending, start, group = [], 0, PAIRS_PER_GROUP
-    while start < len(firsts):
-        encoded = tokenizer.encode_pairs(firsts[start: start + group], seconds[start: start + group])
+    pending = []
+    for start, end in pair_groups(len(firsts)):
+        encoded = tokenizer.encode_pairs(firsts[start:end], seconds[start:end])
         for ids, types in zip(encoded.ids, encoded.type_ids):
             if (batch := packer.add(ids, None, types)) is not None:
                 pending.append(reranker.step(batch))
         if (batch := packer.flush()) is not None:
             pending.append(reranker.step(batch))
-        start, group = start + group, group * 2
     if not pending:
         return np.zeros(0, dtype=np.float32)
     return np.concatenate([lazy.result()[:, 0] for lazy in pending])
+
+
+def pair_groups(pairs: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each group of pairs tokenized together: FIRST_PAIR_GROUP pairs, then twice as
+    many each time, the last group taking whatever would leave less than a group behind.
+
+    The device waits only for the first group: TextTokenizer.encode_pairs spreads a group over every
+    core, so a group tokenizes faster than the device runs the group before, half its size (H200:
+    about 0.08 ms of tokenizing against 0.19 ms on the device per pair of 512 tokens). A small first
+    group starts the device early; one group for five pairs saves the cost of a second step.
+    """
+    start, group = 0, FIRST_PAIR_GROUP
+    while start < pairs:
+        end = pairs if pairs - start < 2 * group else start + group
+        yield start, end
+        start, group = end, group * 2
 
 
 def document_texts(inputs: Inputs, wanted: set[str]) -> dict[str, str]:

@@ -24,7 +24,7 @@ import embedctl
 from embedctl.api import Embedder
 from pipelines import score
 from pipelines.qrels import evaluate, read_qrels
-from pipelines.score import Queries, Ranking, RunningTopK, ScoreOptions, open_inputs, rank, rerank, write_run
+from pipelines.score import Queries, Ranking, RunningTopK, ScoreOptions, open_inputs, pair_groups, rank, rerank, write_run
 from engine import UserError
 from tests.models import minilm_path, save_random_model
 from pipelines.readers import Chunk
@@ -242,7 +242,7 @@ def test_rerank_orders_by_the_transformers_cross_encoder(sample_ranking: tuple[Q
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
-    monkeypatch.setattr(score, "PAIRS_PER_GROUP", 1)  # groups of 1, 2, 4, ... pairs, whatever the machine's cores
+    monkeypatch.setattr(score, "FIRST_PAIR_GROUP", 1)  # groups of 1, 2, 4, ... pairs
     queries, ranking = sample_ranking
     reranker = embedctl.load(str(cross_encoder), device="cpu")
     texts = {row["id"]: row["text"] for row in _sample_docs()}
@@ -257,6 +257,18 @@ def test_rerank_orders_by_the_transformers_cross_encoder(sample_ranking: tuple[Q
         assert reranked.doc_ids[q] == [hits[i] for i in order]
         np.testing.assert_allclose(reranked.scores[q], np.array(expected)[order], atol=1e-5)
     assert reranked.reranked == 3 * len(queries.ids) and reranked.scores.shape == (len(queries.ids), 2)
+
+
+@pytest.mark.parametrize(("pairs", "sizes"), [(0, []), (1, [1]), (5, [5]), (7, [7]), (8, [4, 4]), (25, [4, 8, 13]),
+                                              (50, [4, 8, 16, 22]), (60, [4, 8, 16, 32])])
+def test_pair_groups_double_from_the_first_and_the_last_takes_the_rest(monkeypatch: pytest.MonkeyPatch, pairs: int,
+                                                                     sizes: list[int]) -> None:
+    monkeypatch.setattr(score, "FIRST_PAIR_GROUP", 4)
+
+    groups = list(pair_groups(pairs))
+
+    assert [end - start for start, end in groups] == sizes
+    assert [start for start, _ in groups] == [sum(sizes[:i]) for i in range(len(sizes))]
 
 
 # Documents from a table built by `embedctl index`

@@ -35,7 +35,7 @@ from engine.batch import Packer
 from engine.errors import UserError, short_reason
 from pipelines.qrels import Metrics, Qrels, evaluate, read_qrels
 from pipelines.readers import Chunk, CorpusReader
-from pipelines.tokenize import TextTokenizer, resolve_prompt
+from pipelines.tokenize import CORES, TextTokenizer, resolve_prompt
 
 FORMATS = ("jsonl", "trec")
 TREC_RUN_TAG = "embedctl"
@@ -45,7 +45,7 @@ QUERY_BLOCK = 4096
 RERANK_QUERY_BLOCK = 256
 # The first pairs tokenized and enqueued together when reranking; each later group is twice as large
 # (see pair_groups).
-FIRST_PAIR_GROUP = 4
+FIRST_PAIR_GROUP = CORES
 _WHITESPACE = re.compile(r"\s")
 
 
@@ -327,10 +327,11 @@ def pair_groups(pairs: int) -> Iterator[tuple[int, int]]:
     """(start, end) of each group of pairs tokenized together: FIRST_PAIR_GROUP pairs, then twice as
     many each time, the last group taking whatever would leave less than a group behind.
 
-    The device waits only for the first group: TextTokenizer.encode_pairs spreads a group over every
-    core, so a group tokenizes faster than the device runs the group before, half its size (H200:
-    about 0.08 ms of tokenizing against 0.19 ms on the device per pair of 512 tokens). A small first
-    group starts the device early; one group for five pairs saves the cost of a second step.
+    The tokenizer gives each pair of a group one core (TextTokenizer.encode_pairs), so the first
+    group fills the cores and the device waits only for it; each later group tokenizes while the
+    device runs the one before. On the H200 host, groups that started at four pairs (tokenized in
+    pieces) took 10.1 ms to tokenize 25 pairs against 6.9 ms in one call, and 13.9 ms end to end
+    against 9.1 for these groups (bench/results/gpu-2026-11-30-run25-tokenizer, run20).
     """
     start, group = 0, FIRST_PAIR_GROUP
     while start < pairs:

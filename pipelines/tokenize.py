@@ -12,8 +12,9 @@ the library gives for the whole text (tests/test_tokenize.py):
 - ASCII texts skip the library's normalizer, which keeps an alignment for every character and took
   38% of MiniLM's tokenizer time: on ASCII its effect is a str.translate and a str.lower
   (ascii_normalizer), which CPython runs at memory speed;
-- a cross-encoder's few long pairs are tokenized in pieces on every core rather than one pair per
-  core, and put together with the tokenizer's own pair template (TextTokenizer.encode_pairs).
+- fewer pairs than cores (a cross-encoder's few long pairs) are tokenized in pieces on every core
+  rather than one pair per core, and put together with the tokenizer's own pair template
+  (TextTokenizer.encode_pairs).
 """
 
 from __future__ import annotations
@@ -116,25 +117,29 @@ class TextTokenizer:
 
         Over-long pairs lose tokens from the longer side first, as transformers' tokenizers do: when
         the first text (a query) has at most half of the room, it is kept whole and the second text
-        (a document) keeps the rest. Those pairs are put together here (_pairs_in_pieces) when both
-        texts' normal forms are known and the tokenizer's pair template can be read; the tokenizer
-        encodes every other pair whole.
+        (a document) keeps the rest. The tokenizer gives each pair one thread, so fewer pairs than
+        cores are put together here from pieces (_pairs_in_pieces) where that is known to give the
+        same ids; the tokenizer encodes the rest whole, ASCII pairs normalized here.
         """
         pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
-        in_pieces = self._pair_template is not None and self._bare_pieces is not None
+        in_pieces = len(pairs) < CORES and self._pair_template is not None and self._bare_pieces is not None
         results = self._pairs_in_pieces(pairs) if in_pieces else [None] * len(pairs)
-        whole = [i for i, result in enumerate(results) if result is None]
-        for i, encoding in zip(whole, self.tokenizer.encode_batch_fast([pairs[i] for i in whole])):
-            results[i] = (np.asarray(encoding.ids, dtype=np.int32), np.asarray(encoding.type_ids, dtype=np.int32),
-                          bool(encoding.overflowing))
+        rest = [i for i, result in enumerate(results) if result is None]
+        bare = [(self._bare_text(pairs[i][0]), self._bare_text(pairs[i][1])) for i in rest]
+        known = [(i, pair) for i, pair in zip(rest, bare) if None not in pair]
+        others = [(i, pairs[i]) for i, pair in zip(rest, bare) if None in pair]
+        for tokenizer, route in ((self._bare, known), (self.tokenizer, others)):
+            for (i, _), encoding in zip(route, tokenizer.encode_batch_fast([pair for _, pair in route]) if route else ()):
+                results[i] = (np.asarray(encoding.ids, dtype=np.int32), np.asarray(encoding.type_ids, dtype=np.int32),
+                              bool(encoding.overflowing))
         return Encoded(ids=[ids for ids, _, _ in results], truncated=[truncated for _, _, truncated in results],
                        type_ids=[types for _, types, _ in results])
 
     def _pairs_in_pieces(self, pairs: list[tuple[str, str]]) -> list[tuple[np.ndarray, np.ndarray, bool] | None]:
         """(ids, types, truncated) of each pair with a short query and known normal forms; None for the rest.
 
-        The tokenizer gives each text one thread, so five pairs of 512 tokens took as long as one
-        (2.1 ms on the H200 host, run20). Here each document is cut as encode() cuts a text, at
+        Five pairs of 512 tokens took as long as one to tokenize whole (2.8 ms on the H200 host), and
+        1.3 ms in pieces (bench/results/gpu-2026-11-30-run25-tokenizer). Each document is cut as encode() cuts a text, at
         CUT_CHARS_PER_TOKEN characters per token of the room the query leaves, and the cuts are
         split at suitable spaces (see _cut) into about one piece per core, all tokenized at once.
         A document's pieces hold its cut's tokens, and the cut holds the whole document's first

@@ -19,6 +19,7 @@ the library gives for the whole text (tests/test_tokenize.py):
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import json
@@ -73,19 +74,24 @@ class TextTokenizer:
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length)
         self.max_length = max_length
-        spec = json.loads(self.tokenizer.to_str())
-        self._normalize = ascii_normalizer(spec["normalizer"])
-        # Texts the normalizer would leave as they are go to copies without it: `bare` truncates as
-        # the tokenizer does, `bare_pieces` neither truncates nor adds special tokens.
-        self._every_text = spec["normalizer"] is None  # else only ASCII texts have a known normal form
-        self._bare = self.tokenizer if self._every_text else _without_normalizer(spec, truncate=True) if self._normalize else None
-        self._bare_pieces = _without_normalizer(spec, truncate=False) if self._normalize else None
+        normalizer = _spec(self.tokenizer.normalizer)
+        self._normalize = ascii_normalizer(normalizer)
+        self._every_text = normalizer is None  # else only ASCII texts have a known normal form
+        # Texts the normalizer would leave as they are go to a copy without it; pairs put together
+        # here (needing a pair template) tokenize their pieces with a copy that does not truncate either.
+        self._pair_template = pair_template(_spec(self.tokenizer.post_processor))
+        self._bare = self._bare_pieces = None
+        if self._normalize is not None:
+            self._bare = self.tokenizer if self._every_text else _without_normalizer(self.tokenizer)
+        if self._normalize is not None and self._pair_template is not None:
+            self._bare_pieces = _without_normalizer(self.tokenizer)
+            self._bare_pieces.no_truncation()
         # An added token is matched before normalization or after it, so a text holding one, in
         # either form, goes to the tokenizer whole.
         normalized = self.tokenizer.normalizer.normalize_str if self.tokenizer.normalizer else str
-        forms = {form for token in spec["added_tokens"] for form in (token["content"], normalized(token["content"])) if form}
+        forms = {form for token in self.tokenizer.get_added_tokens_decoder().values()
+                 for form in (token.content, normalized(token.content)) if form}
         self._added = re.compile("|".join(map(re.escape, sorted(forms)))) if forms else None
-        self._pair_template = pair_template(spec["post_processor"])
 
     def encode(self, texts: Sequence[str]) -> Encoded:
         """Token ids of each text, truncated at max_length, exactly as the tokenizer gives them."""
@@ -122,7 +128,7 @@ class TextTokenizer:
         same ids; the tokenizer encodes the rest whole, ASCII pairs normalized here.
         """
         pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
-        in_pieces = len(pairs) < CORES and self._pair_template is not None and self._bare_pieces is not None
+        in_pieces = len(pairs) < CORES and self._bare_pieces is not None
         results = self._pairs_in_pieces(pairs) if in_pieces else [None] * len(pairs)
         rest = [i for i, result in enumerate(results) if result is None]
         bare = [(self._bare_text(pairs[i][0]), self._bare_text(pairs[i][1])) for i in rest]
@@ -273,8 +279,15 @@ def pair_template(spec: dict | None) -> Template | None:
     return template if [part for part, _ in template if isinstance(part, str)] == ["A", "B"] else None
 
 
-def _without_normalizer(spec: dict, truncate: bool) -> Tokenizer:
-    return Tokenizer.from_str(json.dumps({**spec, "normalizer": None, "truncation": spec["truncation"] if truncate else None}))
+def _without_normalizer(tokenizer: Tokenizer) -> Tokenizer:
+    bare = copy.deepcopy(tokenizer)
+    bare.normalizer = None
+    return bare
+
+
+def _spec(component: object | None) -> dict | None:
+    """A tokenizer component's settings, as tokenizer.json holds them."""
+    return None if component is None else json.loads(component.__getstate__())
 
 
 def _cut(text: str, limit: int) -> str:

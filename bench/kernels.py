@@ -13,6 +13,10 @@ and cosine next to its time, so a fast but wrong kernel shows):
                          against the GEMM then one add + RMSNorm kernel
   qwen3_blas             Qwen3's GEMMs through cuBLAS (torch's default) against cuBLASLt, with memsets per call
   qwen3_gemm_forms       Qwen3's qkv and gate_up GEMMs as F.linear, addmm with a zero bias, mm on a transposed weight
+  qwen3_swiglu_gemm      Qwen3's gate_up GEMM with SwiGLU in a Triton GEMM's epilogue, per tile config, against
+                         cuBLAS then FlashInfer's silu_and_mul (the engine) and cuBLAS then torch's silu * up
+  qwen3_gemm_workspace   Qwen3's qkv and gate_up F.linear with cuBLAS's default workspace and without one
+                         (CUBLAS_WORKSPACE_CONFIG=:0:0, each in its own process): time, kernels and memsets per call
   layer_breakdown        the engine (random weights) on one replayed step: GPU time, time the GPU sat
                          idle inside the step, top kernels (encoder_breakdown: MiniLM and BERT-base only;
                          qwen3_breakdown: Qwen3-0.6B with the auto backend, FlashInfer where installed)
@@ -38,6 +42,8 @@ import inspect
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -454,6 +460,127 @@ def qwen3_gemm_forms(repeats: int) -> list[Row]:
     return rows
 
 
+def qwen3_swiglu_gemm(repeats: int) -> list[Row]:
+    """Qwen3's gate_up GEMM with SwiGLU in its epilogue (bench.triton_swiglu.gate_up_silu: one Triton
+    kernel, the [T, 6144] intermediate never written) against the engine's path, cuBLAS then
+    FlashInfer's silu_and_mul, and cuBLAS then torch's silu * up; one row per tile config. F.linear
+    alone is timed too, checked against its own float32 product: the floor the unfused paths build on.
+    speedup_vs_engine: the engine path's graph_ms over the row's."""
+    from engine.models.qwen3 import _silu_mul
+
+    k_in, n_out = QWEN3_GEMMS["gate_up"]
+    inner = n_out // 2
+    try:
+        import_flashinfer()
+        from flashinfer.activation import silu_and_mul
+
+        engine_name = "F.linear + flashinfer silu_and_mul (engine)"
+    except Exception as error:  # noqa: BLE001 - the torch steps stand in, and the row's name says so
+        silu_and_mul, engine_name = _silu_mul, f"F.linear + F.silu(g) * u, not flashinfer ({short(error)})"
+    try:
+        from bench.triton_swiglu import GATE_UP_CONFIGS, GATE_UP_DEFAULT, gate_up_silu
+
+        configs, triton_error = GATE_UP_CONFIGS, None
+    except Exception as error:  # noqa: BLE001 - the cuBLAS rows still run
+        configs, triton_error = (), short(error)
+    rows: list[Row] = []
+    for tokens in (128, 512, 4096, 16384):
+        shape, flops = f"T={tokens} {k_in}->2x{inner}", 2 * tokens * k_in * n_out
+        x, w = randn(tokens, k_in), randn(n_out, k_in, scale=k_in ** -0.5)
+        gate_up = x.float() @ w.float().t()
+        reference = _silu_mul(gate_up)
+        layer = [run_candidate(shape, "F.linear alone (no SwiGLU; vs its own fp32 product)",
+                               lambda: functools.partial(F.linear, x, w), gate_up, repeats, flops)]
+        del gate_up
+        out = torch.empty(tokens, inner, device=DEVICE, dtype=DTYPE)
+        candidates: dict[str, Callable[[], Call]] = {
+            engine_name: lambda: lambda: silu_and_mul(F.linear(x, w)),
+            "F.linear + torch silu*mul": lambda: lambda: _silu_mul(F.linear(x, w)),
+        }
+        for config in configs:
+            name = f"triton fused {config}" + (" (default)" if config == GATE_UP_DEFAULT else "")
+            candidates[name] = lambda config=config: functools.partial(gate_up_silu, x, w, out, config=config)
+        for name, build in candidates.items():
+            layer.append(run_candidate(shape, name, build, reference, repeats, flops))
+        if triton_error:
+            layer.append({"shape": shape, "candidate": "triton fused", "error": triton_error})
+        engine_ms = layer[1].get("graph_ms")
+        for row in layer:
+            if isinstance(engine_ms, float) and isinstance(row.get("graph_ms"), float):
+                row["speedup_vs_engine"] = engine_ms / row["graph_ms"]
+        rows += layer
+    return rows
+
+
+WORKSPACE_SETTINGS = {"default": None, "none (:0:0)": ":0:0"}  # label -> CUBLAS_WORKSPACE_CONFIG
+
+
+def gemm_workspace_rows(repeats: int, workspace: str) -> list[Row]:
+    """qwen3_gemm_workspace's half in a child process, whose CUBLAS_WORKSPACE_CONFIG the parent set
+    before this process's first cuBLAS call: F.linear for qkv and gate_up, timed as run_candidate
+    times, then kernels (memsets included) per call under the profiler over a few eager calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows: list[Row] = []
+    calls = 10
+    for tokens in (4096, 16384):
+        for name in ("qkv", "gate_up"):
+            k_in, n_out = QWEN3_GEMMS[name]
+            x, w = randn(tokens, k_in), randn(n_out, k_in, scale=k_in ** -0.5)
+            timed = run_candidate(f"T={tokens} {k_in}->{n_out}", name, lambda: functools.partial(F.linear, x, w),
+                                  x.float() @ w.float().t(), repeats, flops=2 * tokens * k_in * n_out)
+            row: Row = {"shape": timed.pop("shape"), "gemm": timed.pop("candidate"), "workspace": workspace, **timed}
+            rows.append(row)
+            if "error" in row:
+                continue
+            with profile(activities=[ProfilerActivity.CUDA]) as trace:
+                for _ in range(calls):
+                    F.linear(x, w)
+                torch.cuda.synchronize()
+            kernels = [e for e in trace.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+            row["kernels_per_call"] = sum(e.count for e in kernels) / calls
+            row["memsets_per_call"] = sum(e.count for e in kernels if "Memset" in e.key) / calls
+            row["kernel"] = max(kernels, key=lambda e: e.self_device_time_total).key[:60] if kernels else ""
+    try:  # torch.backends.cuda.cublas_workspace_size is newer than some torch builds; asked last, to change nothing
+        size: object = torch.backends.cuda.cublas_workspace_size()
+    except Exception as error:  # noqa: BLE001 - then the memset counts alone say whether the setting took
+        size = f"unknown ({short(error)[:60]})"
+    for row in rows:
+        row["CUBLAS_WORKSPACE_CONFIG"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "(unset)")
+        row["workspace_bytes"] = size
+    return rows
+
+
+def qwen3_gemm_workspace(repeats: int) -> list[Row]:
+    """Whether cuBLAS without a workspace (CUBLAS_WORKSPACE_CONFIG=:0:0) drops the memsets in front of
+    Qwen3's qkv and gate_up GEMMs (its cooperative kernels zero part of the workspace) and what its
+    other kernels cost. The variable is read when torch first sets up cuBLAS, which this process has
+    long done, so each setting runs gemm_workspace_rows in a fresh Python; rows pair up per GEMM."""
+    code = ("import json, sys\nfrom bench.kernels import gemm_workspace_rows\n"
+            "print('ROWS ' + json.dumps(gemm_workspace_rows(int(sys.argv[1]), sys.argv[2]), default=str))")
+    rows: list[Row] = []
+    for label, setting in WORKSPACE_SETTINGS.items():
+        env = {key: value for key, value in os.environ.items() if key != "CUBLAS_WORKSPACE_CONFIG"}
+        if setting is not None:
+            env["CUBLAS_WORKSPACE_CONFIG"] = setting
+        try:
+            done = subprocess.run([sys.executable, "-c", code, str(repeats), label], cwd=Path(__file__).resolve().parents[1],
+                                  env=env, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            rows.append({"workspace": label, "error": "child timed out after 300 s"})
+            continue
+        found = [line[5:] for line in done.stdout.splitlines() if line.startswith("ROWS ")]
+        if done.returncode or not found:
+            last = (done.stderr.strip().splitlines() or [""])[-1][:300]
+            rows.append({"workspace": label, "error": f"child exited {done.returncode}: {last}"})
+            continue
+        rows += json.loads(found[-1])
+    order: dict[tuple, int] = {}
+    for row in rows:
+        order.setdefault((row.get("shape"), row.get("gemm")), len(order))
+    return sorted(rows, key=lambda row: order[(row.get("shape"), row.get("gemm"))])
+
+
 # ---- 6-7. the engine ------------------------------------------------------------------------------
 
 @functools.cache
@@ -593,6 +720,8 @@ EXPERIMENTS: dict[str, Callable[[int], list[Row]]] = {
     "qwen3_residual": qwen3_residual,
     "qwen3_blas": qwen3_blas,
     "qwen3_gemm_forms": qwen3_gemm_forms,
+    "qwen3_swiglu_gemm": qwen3_swiglu_gemm,
+    "qwen3_gemm_workspace": qwen3_gemm_workspace,
     "layer_breakdown": layer_breakdown,
     "encoder_breakdown": functools.partial(layer_breakdown, configs=BREAKDOWN_CONFIGS[:2]),
     "qwen3_breakdown": functools.partial(layer_breakdown, configs=BREAKDOWN_CONFIGS[2:3]),

@@ -325,19 +325,19 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
 
 def pair_groups(pairs: int) -> Iterator[tuple[int, int]]:
     """(start, end) of each group of pairs tokenized together: FIRST_PAIR_GROUP pairs, then twice as
-    many each time, the last group taking whatever would leave less than a group behind.
+    many each time, and what is left.
 
-    The tokenizer gives each pair of a group one core (TextTokenizer.encode_pairs), so the first
-    group fills the cores and the device waits only for it; each later group tokenizes while the
-    device runs the one before. On the H200 host, groups that started at four pairs (tokenized in
-    pieces) took 10.1 ms to tokenize 25 pairs against 6.9 ms in one call, and 13.9 ms end to end
-    against 9.1 for these groups (bench/results/gpu-2026-11-30-run25-tokenizer, run20).
+    The tokenizer gives each pair of a group one core, or splits fewer pairs than cores into pieces
+    (TextTokenizer.encode_pairs), so the first group fills the cores and the device waits only for
+    it; each later group tokenizes while the device runs the one before. A last group that took in
+    the rest (25 pairs as one group) left nothing to overlap: 10.3 ms on the H200, tokenizing 4.9
+    and the model 4.8 (bench/results/gpu-2026-11-30-run28-rerank); groups that started at four
+    pairs were slower still on a slower host, 13.9 ms (run25).
     """
     start, group = 0, FIRST_PAIR_GROUP
     while start < pairs:
-        end = pairs if pairs - start < 2 * group else start + group
-        yield start, end
-        start, group = end, group * 2
+        yield start, min(start + group, pairs)
+        start, group = start + group, group * 2
 
 
 def document_texts(inputs: Inputs, wanted: set[str]) -> dict[str, str]:

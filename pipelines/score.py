@@ -329,10 +329,10 @@ def pair_groups(pairs: int) -> Iterator[tuple[int, int]]:
 
     The tokenizer gives each pair of a group one core, or splits fewer pairs than cores into pieces
     (TextTokenizer.encode_pairs), so the first group fills the cores and the device waits only for
-    it; each later group tokenizes while the device runs the one before. A last group that took in
-    the rest (25 pairs as one group) left nothing to overlap: 10.3 ms on the H200, tokenizing 4.9
-    and the model 4.8 (bench/results/gpu-2026-11-30-run28-rerank); groups that started at four
-    pairs were slower still on a slower host, 13.9 ms (run25).
+    it; each later group tokenizes while the device runs the one before. On the H200, 25 pairs took
+    9.4 ms this way (16 + 9; tokenizing alone 5.7, the model alone 4.7: bench/results/
+    gpu-2026-11-30-run29-rerank-groups) against 10.3 as one group (run28), and groups that started
+    at four pairs took 13.9 ms on a slower host (run25).
     """
     start, group = 0, FIRST_PAIR_GROUP
     while start < pairs:

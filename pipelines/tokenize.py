@@ -104,11 +104,13 @@ class TextTokenizer:
         return Encoded(ids=[np.asarray(e.ids, dtype=np.int32) for e in encodings],
                        truncated=[bool(e.overflowing) for e in encodings])
 
-    def _routes(self, bare: list[str | None], texts: list[str]) -> list[tuple[list[int], Tokenizer, list[str]]]:
-        """The rows whose normal form is known, with the bare tokenizer; the others, with the tokenizer."""
+    def _routes(self, bare: list, inputs: list) -> list[tuple[list[int], Tokenizer, list]]:
+        """Rows of inputs (texts or pairs) whose normal form `bare` holds, with the bare tokenizer and
+        that form; the others (None in `bare`), with the tokenizer and the input as it is."""
         known = [row for row, text in enumerate(bare) if text is not None]
         others = [row for row, text in enumerate(bare) if text is None]
-        routes = [(known, self._bare, [bare[row] for row in known]), (others, self.tokenizer, [texts[row] for row in others])]
+        routes = [(known, self._bare, [bare[row] for row in known]),
+                  (others, self.tokenizer, [inputs[row] for row in others])]
         return [route for route in routes if route[0]]
 
     def _bare_text(self, text: str) -> str | None:
@@ -132,22 +134,21 @@ class TextTokenizer:
         results = self._pairs_in_pieces(pairs) if in_pieces else [None] * len(pairs)
         rest = [i for i, result in enumerate(results) if result is None]
         bare = [(self._bare_text(pairs[i][0]), self._bare_text(pairs[i][1])) for i in rest]
-        known = [(i, pair) for i, pair in zip(rest, bare) if None not in pair]
-        others = [(i, pairs[i]) for i, pair in zip(rest, bare) if None in pair]
-        for tokenizer, route in ((self._bare, known), (self.tokenizer, others)):
-            for (i, _), encoding in zip(route, tokenizer.encode_batch_fast([pair for _, pair in route]) if route else ()):
-                results[i] = (np.asarray(encoding.ids, dtype=np.int32), np.asarray(encoding.type_ids, dtype=np.int32),
-                              bool(encoding.overflowing))
+        bare = [pair if None not in pair else None for pair in bare]
+        for rows, tokenizer, inputs in self._routes(bare, [pairs[i] for i in rest]):
+            for row, encoding in zip(rows, tokenizer.encode_batch_fast(inputs)):
+                results[rest[row]] = (np.asarray(encoding.ids, dtype=np.int32),
+                                      np.asarray(encoding.type_ids, dtype=np.int32), bool(encoding.overflowing))
         return Encoded(ids=[ids for ids, _, _ in results], truncated=[truncated for _, _, truncated in results],
                        type_ids=[types for _, types, _ in results])
 
     def _pairs_in_pieces(self, pairs: list[tuple[str, str]]) -> list[tuple[np.ndarray, np.ndarray, bool] | None]:
         """(ids, types, truncated) of each pair with a short query and known normal forms; None for the rest.
 
-        Five pairs of 512 tokens took as long as one to tokenize whole (2.8 ms on the H200 host), and
-        1.3 ms in pieces (bench/results/gpu-2026-11-30-run25-tokenizer). Each document is cut as encode() cuts a text, at
-        CUT_CHARS_PER_TOKEN characters per token of the room the query leaves, and the cuts are
-        split at suitable spaces (see _cut) into about one piece per core, all tokenized at once.
+        Whole, five pairs of 512 tokens took 2.8 ms to tokenize on the H200 host, and 1.3 ms in
+        pieces (bench/results/gpu-2026-11-30-run25-tokenizer). Each document is cut as encode() cuts
+        a text, at CUT_CHARS_PER_TOKEN characters per token of the room the query leaves, and the
+        cuts are split at suitable spaces (see _cut) into about one piece per core, tokenized at once.
         A document's pieces hold its cut's tokens, and the cut holds the whole document's first
         tokens once it has as many as the room; a cut with fewer (and not whole) is left to the
         tokenizer. The pair is the template's special tokens around the query and the kept tokens.
@@ -190,12 +191,14 @@ class TextTokenizer:
         parts: dict[str, list[list[int]]] = {text: [] for text in texts}
         for owner, encoding in zip(owners, self._bare_pieces.encode_batch_fast(pieces, add_special_tokens=False)):
             parts[owner].append(encoding.ids)
-        return {text: np.asarray(list(itertools.chain.from_iterable(part)), dtype=np.int32) for text, part in parts.items()}
+        return {text: np.asarray(list(itertools.chain.from_iterable(part)), dtype=np.int32)
+                for text, part in parts.items()}
 
     def _fill_template(self, first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         sequences = {"A": first, "B": second}
         segments = [sequences[part] if isinstance(part, str) else part for part, _ in self._pair_template]
-        types = [np.full(len(segment), type_id, dtype=np.int32) for segment, (_, type_id) in zip(segments, self._pair_template)]
+        types = [np.full(len(segment), type_id, dtype=np.int32)
+                 for segment, (_, type_id) in zip(segments, self._pair_template)]
         return np.concatenate(segments).astype(np.int32, copy=False), np.concatenate(types)
 
 

@@ -1,6 +1,6 @@
 """`embedctl index`: a corpus of shards in, a vector table kept up to date, every stage beside the engine.
 
-    reader thread -> select + tokenizer thread -> packer + Engine.step (this thread) -> writer thread
+    reader thread -> select thread + two tokenizing threads -> packer + Engine.step (this thread) -> writer thread
 
 Every row gets a content key: a hash of its text, its kept columns, the prompt and the settings that
 decide its vector (weights, pooling, normalisation, max length, dim). Rows whose id the output already
@@ -25,7 +25,9 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
     from engine import Engine
 
 QUEUE_DEPTH = 4
+# Chunks being tokenized at once (see _tokenize).
+TOKENIZING_CHUNKS = 2
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,15 @@ class IndexReport:
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "skipped": self.skipped,
                            "tokens_per_second": round(self.tokens_per_second, 1)}, indent=2)
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """A chunk's rows to embed (positions in the chunk) and their content keys."""
+
+    chunk: Chunk
+    rows: list[int]
+    keys: list[str]
 
 
 @dataclass
@@ -196,8 +209,8 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
         store = open_store(options.out, schema, options.table, options.rebuild,
                            options.commit_rows)
         source: dict[str, str] = {}  # id -> content key of every row a fresh build would write
-        tokenized = flow.stage(_select(_chain(first, chunks), model, options, report, _ContentKeys(settings),
-                                       store.existing, source))
+        selections = _select(_chain(first, chunks), options, report, _ContentKeys(settings), store.existing, source)
+        tokenized = flow.stage(_tokenize(selections, model, options))
         if progress is not None:
             progress(0, 0, reader.total_rows)
         vector_type = schema.field("vector").type.value_type
@@ -222,7 +235,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
 def _embed(model: IndexModel, items: Iterator[_Tokenized], flow: _Flow) -> None:
     """Pack rows first come, first served and send each batch's LazyTensor on to the writer thread.
 
-    The engine loads when the first rows to embed arrive, while the tokenizer thread works ahead."""
+    The engine loads when the first rows to embed arrive, while the tokenizing threads work ahead."""
     first = next(items, None)
     if first is None:
         return
@@ -252,9 +265,9 @@ class _ContentKeys:
         return key.hexdigest()[:32]
 
 
-def _select(chunks: Iterator[Chunk], model: IndexModel, options: IndexOptions, report: IndexReport,
-            keys: _ContentKeys, existing: dict[str, str], source: dict[str, str]) -> Iterator[_Tokenized]:
-    """Tokenize the rows the output lacks or holds under another key; note every wanted row in source."""
+def _select(chunks: Iterator[Chunk], options: IndexOptions, report: IndexReport, keys: _ContentKeys,
+            existing: dict[str, str], source: dict[str, str]) -> Iterator[_Selection]:
+    """The rows of each chunk the output lacks or holds under another key; note every wanted row in source."""
     for chunk in chunks:
         report.rows_read += len(chunk.ids)
         kept = chunk.kept.to_pylist() if chunk.kept is not None else None
@@ -274,14 +287,35 @@ def _select(chunks: Iterator[Chunk], model: IndexModel, options: IndexOptions, r
                 report.updated += 1
             rows.append(row)
             row_keys.append(key)
-        if not rows:
-            continue
-        encoded = model.tokenizer.encode([options.prompt + chunk.texts[row] for row in rows])
-        if options.on_long == "error" and any(encoded.truncated):
-            row = rows[encoded.truncated.index(True)]
-            raise UserError(f"{chunk.where(row)}: text is longer than the model's {model.spec.max_length} "
-                            "tokens; shorten it or pass --on-long truncate")
-        yield _Tokenized(chunk, rows, encoded.ids, encoded.truncated, row_keys)
+        if rows:
+            yield _Selection(chunk, rows, row_keys)
+
+
+def _tokenize(selections: Iterator[_Selection], model: IndexModel, options: IndexOptions) -> Iterator[_Tokenized]:
+    """Each selection's rows tokenized, in order, TOKENIZING_CHUNKS chunks at a time.
+
+    The tokenizer's Rust threads run with the GIL released, but turning a chunk's encodings into
+    arrays holds it, and one chunk at a time would leave those threads idle meanwhile: so the next
+    chunk is already being tokenized in a second thread."""
+    with ThreadPoolExecutor(TOKENIZING_CHUNKS, thread_name_prefix="embedctl-tokenize") as pool:
+        pending: deque[Future] = deque()
+        for selection in selections:
+            tokenizer = model.tokenizer  # loaded here, at the first row to embed, not in two threads at once
+            pending.append(pool.submit(_tokenize_one, selection, tokenizer, options))
+            if len(pending) == TOKENIZING_CHUNKS:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def _tokenize_one(selection: _Selection, tokenizer: TextTokenizer, options: IndexOptions) -> _Tokenized:
+    chunk, rows = selection.chunk, selection.rows
+    encoded = tokenizer.encode([options.prompt + chunk.texts[row] for row in rows])
+    if options.on_long == "error" and any(encoded.truncated):
+        row = rows[encoded.truncated.index(True)]
+        raise UserError(f"{chunk.where(row)}: text is longer than the model's {tokenizer.max_length} "
+                        "tokens; shorten it or pass --on-long truncate")
+    return _Tokenized(chunk, rows, encoded.ids, encoded.truncated, selection.keys)
 
 
 def _wanted(chunk: Chunk, row: int, options: IndexOptions, report: IndexReport, seen: dict[str, str]) -> bool:
@@ -375,6 +409,8 @@ class _Flow:
             except BaseException as error:  # noqa: BLE001 - handed to the main thread
                 self._fail(error)
             finally:  # after _fail: whoever meets the end must also see the failure
+                if isinstance(items, Generator):
+                    items.close()  # a generator left on a yield lets go of what it holds (threads) now
                 self._put(out, self._END, final=True)
 
         self._start(produce)

@@ -154,7 +154,7 @@ def assert_failure_changes_nothing(work: Path, run: Callable[[], object], error:
     with pytest.raises(error, match=match):
         run()
     assert snapshot(work) == before
-    assert threading.active_count() == threads
+    assert threading.active_count() == threads, [t.name for t in threading.enumerate()]
 
 
 @pytest.mark.parametrize("out", OUTPUTS)

@@ -300,7 +300,16 @@ def _tokenize(selections: Iterator[_Selection], model: IndexModel, options: Inde
     index ran 5% faster so (bench/results/gpu-2026-11-30-run31-tokenizing-chunks-ab)."""
     with ThreadPoolExecutor(TOKENIZING_CHUNKS, thread_name_prefix="embedctl-tokenize") as pool:
         pending: deque[Future] = deque()
-        for selection in selections:
+        selections = iter(selections)
+        while True:
+            try:
+                selection = next(selections)
+            except StopIteration:
+                break
+            except Exception:
+                for earlier in pending:
+                    earlier.result()  # a failure in rows that came before is the one to report
+                raise
             tokenizer = model.tokenizer  # loaded here, at the first row to embed, not in two threads at once
             pending.append(pool.submit(_tokenize_one, selection, tokenizer, options))
             if len(pending) == TOKENIZING_CHUNKS:
@@ -405,13 +414,15 @@ class _Flow:
 
         def produce() -> None:
             try:
-                for item in items:
-                    self._put(out, item)
+                try:
+                    for item in items:
+                        self._put(out, item)
+                finally:
+                    if isinstance(items, Generator):
+                        items.close()  # a generator left on a yield lets go of what it holds (threads) now
             except BaseException as error:  # noqa: BLE001 - handed to the main thread
                 self._fail(error)
             finally:  # after _fail: whoever meets the end must also see the failure
-                if isinstance(items, Generator):
-                    items.close()  # a generator left on a yield lets go of what it holds (threads) now
                 self._put(out, self._END, final=True)
 
         self._start(produce)

@@ -6,11 +6,12 @@ many tokens were kept and whether the text was cut. Batch encoding runs in Rust 
 releases the GIL, so a pipeline thread can tokenize while the engine computes; its fast variant
 skips the character offsets nobody here reads.
 
-Three things spare the tokenizer work whose result would be thrown away; each gives exactly the ids
-the library gives for the whole text (tests/test_tokenize.py):
-- long texts are tokenized only as far as the kept tokens need (TextTokenizer.encode);
+Three things spare the tokenizer work whose result would be thrown away, each only where it gives
+exactly the ids the library gives for the whole text (tests/test_tokenize.py):
+- long texts are tokenized only as far as the kept tokens need (encode_cut), for pre-tokenizers
+  that split at spaces (cuts_at_spaces);
 - ASCII texts skip the library's normalizer, which keeps an alignment for every character and took
-  38% of MiniLM's tokenizer time: on ASCII its effect is a str.translate and a str.lower
+  38% of MiniLM's tokenizer time: on ASCII its effect is a bytes.translate and a str.lower
   (ascii_normalizer), which CPython runs at memory speed;
 - fewer pairs than cores (a cross-encoder's few long pairs) are tokenized in pieces on every core
   rather than one pair per core, and put together with the tokenizer's own pair template
@@ -25,7 +26,7 @@ import itertools
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +39,10 @@ from engine.errors import UserError
 # The prompt names sentence-transformers' encode_query / encode_document look for, in order.
 ROLE_PROMPTS = {"query": ("query",), "document": ("document", "passage", "corpus")}
 # A long text is first cut at a space before this many characters per kept token, then, if that
-# was too few, at twice as many, and so on (see TextTokenizer.encode).
+# was too few, at twice as many, and so on (see encode_cut).
 CUT_CHARS_PER_TOKEN = 5
-# The tokenizer's Rust threads (rayon sizes its pool by the cores this process may use).
+# About the tokenizer's Rust threads: rayon sizes its pool by the cores this process may use, unless
+# RAYON_NUM_THREADS or a cgroup quota says otherwise.
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 # Pairs' documents are split into about CORES pieces, none shorter than this: each piece costs a
 # Python object and a list of ids, which outweigh the parallel work below a few dozen tokens.
@@ -51,6 +53,13 @@ _ASCII_SPACES = bytes.maketrans(b"\t\n\r", b"   ")
 _ASCII_CONTROLS = bytes(code for code in (*range(0x20), 0x7F) if code not in b"\t\n\r")
 # Normal forms change no ASCII character.
 _ASCII_UNCHANGED = ("NFC", "NFD", "NFKC", "NFKD")
+# Split patterns that end a piece at a single space between two visible characters and start the
+# next with it (no alternative spans a visible character and the space after it): GPT-2's, and the
+# one of Qwen2 and Qwen3.
+_SPACE_SPLITTING_PATTERNS = (
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 
 Template = list[tuple[str | np.ndarray, int]]  # "A", "B" or special-token ids, each with its token type
 
@@ -74,24 +83,26 @@ class TextTokenizer:
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length)
         self.max_length = max_length
+        self._cuts = cuts_at_spaces(_spec(self.tokenizer.pre_tokenizer))
         normalizer = _spec(self.tokenizer.normalizer)
         self._normalize = ascii_normalizer(normalizer)
-        self._every_text = normalizer is None  # else only ASCII texts have a known normal form
+        self._no_normalizer = normalizer is None  # then every text's normal form is known, not only ASCII
         # Texts the normalizer would leave as they are go to a copy without it; pairs put together
         # here (needing a pair template) tokenize their pieces with a copy that does not truncate either.
         self._pair_template = pair_template(_spec(self.tokenizer.post_processor))
         self._bare = self._bare_pieces = None
         if self._normalize is not None:
-            self._bare = self.tokenizer if self._every_text else _without_normalizer(self.tokenizer)
-        if self._normalize is not None and self._pair_template is not None:
+            self._bare = self.tokenizer if self._no_normalizer else _without_normalizer(self.tokenizer)
+        if self._normalize is not None and self._pair_template is not None and self._cuts:
             self._bare_pieces = _without_normalizer(self.tokenizer)
             self._bare_pieces.no_truncation()
-        # An added token is matched before normalization or after it, so a text holding one, in
-        # either form, goes to the tokenizer whole.
-        normalized = self.tokenizer.normalizer.normalize_str if self.tokenizer.normalizer else str
-        forms = {form for token in self.tokenizer.get_added_tokens_decoder().values()
-                 for form in (token.content, normalized(token.content)) if form}
-        self._added = re.compile("|".join(map(re.escape, sorted(forms)))) if forms else None
+        # An added token is matched in the text before normalization (normalized=False) or after it, so
+        # a text holding one in either form goes to the tokenizer whole; so does one holding a token's
+        # normalized form, which the copy without a normalizer would match as written.
+        contents = [token.content for token in self.tokenizer.get_added_tokens_decoder().values()]
+        normalize = self.tokenizer.normalizer.normalize_str if self.tokenizer.normalizer else str
+        self._added_raw = _any_of(contents)
+        self._added_normalized = _any_of(contents + [normalize(content) for content in contents])
 
     def encode(self, texts: Sequence[str]) -> Encoded:
         """Token ids of each text, truncated at max_length, exactly as the tokenizer gives them."""
@@ -99,7 +110,7 @@ class TextTokenizer:
         bare = [self._bare_text(text) for text in texts]
         encodings: list[Encoding | None] = [None] * len(texts)
         for rows, tokenizer, inputs in self._routes(bare, texts):
-            for row, encoding in zip(rows, encode_cut(tokenizer, inputs, self.max_length)):
+            for row, encoding in zip(rows, encode_cut(tokenizer, inputs, self.max_length, self._cuts)):
                 encodings[row] = encoding
         return Encoded(ids=[np.asarray(e.ids, dtype=np.int32) for e in encodings],
                        truncated=[bool(e.overflowing) for e in encodings])
@@ -115,82 +126,79 @@ class TextTokenizer:
 
     def _bare_text(self, text: str) -> str | None:
         """The text as the normalizer leaves it, when that is known here and no added token is in it."""
-        if self._normalize is None or not (self._every_text or text.isascii()):
+        if self._normalize is None or not (self._no_normalizer or text.isascii()):
+            return None
+        if self._added_raw is not None and self._added_raw.search(text):
             return None
         normalized = self._normalize(text)
-        return None if self._added and self._added.search(normalized) else normalized
+        return None if self._added_normalized is not None and self._added_normalized.search(normalized) else normalized
 
     def encode_pairs(self, firsts: Sequence[str], seconds: Sequence[str]) -> Encoded:
-        """[CLS] first [SEP] second [SEP] with token types 0 then 1, as a cross-encoder reads a pair.
+        """Each pair laid out by the tokenizer's pair template ([CLS] first [SEP] second [SEP] with
+        token types 0 then 1 for BERT), truncated longest first, exactly as the tokenizer gives it.
 
-        Over-long pairs lose tokens from the longer side first, as transformers' tokenizers do: when
-        the first text (a query) has at most half of the room, it is kept whole and the second text
-        (a document) keeps the rest. The tokenizer gives each pair one thread, so fewer pairs than
-        cores are put together here from pieces (_pairs_in_pieces) where that is known to give the
-        same ids; the tokenizer encodes the rest whole, ASCII pairs normalized here.
+        Longest first: when the first text (a query) has at most half of the room, it is kept whole
+        and the second text (a document) keeps the rest. The tokenizer gives each pair one thread,
+        so fewer pairs than cores are put together here from pieces (_pairs_in_pieces) where that
+        is known to give the same ids; the tokenizer encodes the rest whole, ASCII pairs normalized
+        here.
         """
         pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
-        in_pieces = len(pairs) < CORES and self._bare_pieces is not None
-        results = self._pairs_in_pieces(pairs) if in_pieces else [None] * len(pairs)
-        rest = [i for i, result in enumerate(results) if result is None]
-        bare = [(self._bare_text(pairs[i][0]), self._bare_text(pairs[i][1])) for i in rest]
+        bare = [(self._bare_text(a), self._bare_text(b)) for a, b in pairs]
         bare = [pair if None not in pair else None for pair in bare]
-        for rows, tokenizer, inputs in self._routes(bare, [pairs[i] for i in rest]):
+        in_pieces = len(pairs) < CORES and self._bare_pieces is not None
+        results = self._pairs_in_pieces(bare) if in_pieces else [None] * len(pairs)
+        rest = [i for i, result in enumerate(results) if result is None]
+        for rows, tokenizer, inputs in self._routes([bare[i] for i in rest], [pairs[i] for i in rest]):
             for row, encoding in zip(rows, tokenizer.encode_batch_fast(inputs)):
                 results[rest[row]] = (np.asarray(encoding.ids, dtype=np.int32),
                                       np.asarray(encoding.type_ids, dtype=np.int32), bool(encoding.overflowing))
         return Encoded(ids=[ids for ids, _, _ in results], truncated=[truncated for _, _, truncated in results],
                        type_ids=[types for _, types, _ in results])
 
-    def _pairs_in_pieces(self, pairs: list[tuple[str, str]]) -> list[tuple[np.ndarray, np.ndarray, bool] | None]:
-        """(ids, types, truncated) of each pair with a short query and known normal forms; None for the rest.
+    def _pairs_in_pieces(self, bare: list[tuple[str, str] | None]) -> list[tuple[np.ndarray, np.ndarray, bool] | None]:
+        """(ids, types, truncated) of each pair (in normal form; None: unknown) with a short query;
+        None for the rest.
 
         Whole, five pairs of 512 tokens took 2.8 ms to tokenize on the H200 host, and 1.3 ms in
-        pieces (bench/results/gpu-2026-11-30-run25-tokenizer). Each document is cut as encode() cuts
-        a text, at CUT_CHARS_PER_TOKEN characters per token of the room the query leaves, and the
-        cuts are split at suitable spaces (see _cut) into about one piece per core, tokenized at once.
-        A document's pieces hold its cut's tokens, and the cut holds the whole document's first
-        tokens once it has as many as the room; a cut with fewer (and not whole) is left to the
+        pieces (bench/results/gpu-2026-11-30-run25-tokenizer). Each document is cut as encode_cut
+        cuts a text, at CUT_CHARS_PER_TOKEN characters per token of the room the query leaves, and
+        the cuts are split at suitable spaces (see _cut) into about one piece per core, tokenized at
+        once. A document's pieces hold its cut's tokens, and a cut holds the whole document's first
+        tokens once it has more than the room; a cut with no more (and not whole) is left to the
         tokenizer. The pair is the template's special tokens around the query and the kept tokens.
         """
-        bare = {text: self._bare_text(text) for pair in pairs for text in pair}
-        usable = [i for i, (a, b) in enumerate(pairs) if bare[a] is not None and bare[b] is not None]
-        queries = list(dict.fromkeys(bare[pairs[i][0]] for i in usable))
+        usable = [i for i, pair in enumerate(bare) if pair is not None]
+        queries = list(dict.fromkeys(bare[i][0] for i in usable))
         query_ids = dict(zip(queries, (np.asarray(e.ids, dtype=np.int32) for e in
                                        self._bare_pieces.encode_batch_fast(queries, add_special_tokens=False))))
         room = self.max_length - self.tokenizer.num_special_tokens_to_add(True)
         cuts: dict[int, tuple[str, bool]] = {}  # pair -> (cut document, whether it is the whole document)
         for i in usable:
-            left = room - len(query_ids[bare[pairs[i][0]]])
-            if left >= room - room // 2 and left > 0:  # the query has at most half of the room
-                document = bare[pairs[i][1]]
-                cut = _cut(document, left * CUT_CHARS_PER_TOKEN)
+            query, document = bare[i]
+            if room > 0 and len(query_ids[query]) <= room // 2:
+                cut = _cut(document, (room - len(query_ids[query])) * CUT_CHARS_PER_TOKEN)
                 cuts[i] = cut, len(cut) == len(document)
         document_ids = self._in_pieces(list(dict.fromkeys(cut for cut, _ in cuts.values())))
-        results: list[tuple[np.ndarray, np.ndarray, bool] | None] = [None] * len(pairs)
+        results: list[tuple[np.ndarray, np.ndarray, bool] | None] = [None] * len(bare)
         for i, (cut, whole) in cuts.items():
-            query, document = query_ids[bare[pairs[i][0]]], document_ids[cut]
+            query, document = query_ids[bare[i][0]], document_ids[cut]
             left = room - len(query)
-            if whole or len(document) >= left:
-                results[i] = self._fill_template(query, document[:left]) + (not whole or len(document) > left,)
+            # A cut with exactly `left` tokens may be all the document has (a model that drops what it
+            # cannot encode): only the tokenizer can say whether the pair was truncated.
+            if whole or len(document) > left:
+                ids, types = self._fill_template(query, document[:left])
+                results[i] = ids, types, len(document) > left
         return results
 
     def _in_pieces(self, texts: list[str]) -> dict[str, np.ndarray]:
         """Each text's ids without special tokens, its pieces tokenized in parallel."""
         piece_chars = max(MIN_PIECE_CHARS, sum(map(len, texts)) // CORES)
-        pieces, owners = [], []
-        for text in texts:
-            start = 0
-            while True:
-                end = start + len(_cut(text[start:], piece_chars))
-                pieces.append(text[start:end])
-                owners.append(text)
-                if end == len(text):
-                    break
-                start = end
+        pieces = [(text, piece) for text in texts for piece in _pieces(text, piece_chars)]
         parts: dict[str, list[list[int]]] = {text: [] for text in texts}
-        for owner, encoding in zip(owners, self._bare_pieces.encode_batch_fast(pieces, add_special_tokens=False)):
-            parts[owner].append(encoding.ids)
+        encodings = self._bare_pieces.encode_batch_fast([piece for _, piece in pieces], add_special_tokens=False)
+        for (text, _), encoding in zip(pieces, encodings):
+            parts[text].append(encoding.ids)
         return {text: np.asarray(list(itertools.chain.from_iterable(part)), dtype=np.int32)
                 for text, part in parts.items()}
 
@@ -202,8 +210,9 @@ class TextTokenizer:
         return np.concatenate(segments).astype(np.int32, copy=False), np.concatenate(types)
 
 
-def encode_cut(tokenizer: Tokenizer, texts: list[str], max_length: int) -> list[Encoding]:
-    """Each text's encoding, truncated at max_length, tokenizing only as much of a long text as that needs.
+def encode_cut(tokenizer: Tokenizer, texts: list[str], max_length: int, cut: bool = True) -> list[Encoding]:
+    """Each text's encoding, truncated at max_length, tokenizing only as much of a long text as that
+    needs (when `cut`: the tokenizer's pre-tokenizer splits at spaces, see cuts_at_spaces).
 
     The tokenizer's work grows with the whole text while only the first max_length tokens are
     kept: in the docstrings corpus 55% of the tokens lie past 256. So a long text is first cut
@@ -213,13 +222,15 @@ def encode_cut(tokenizer: Tokenizer, texts: list[str], max_length: int) -> list[
     the docstrings corpus needs 3.6 at the median and 5.5 at most) is cut again at twice the
     length, until it overflows or is whole; the wasted work stays below twice the text's own.
     """
+    if not cut:
+        return tokenizer.encode_batch_fast(texts)
     encodings: list[Encoding | None] = [None] * len(texts)
     pending, limit = list(range(len(texts))), max_length * CUT_CHARS_PER_TOKEN
     while pending:
         cuts = [_cut(texts[i], limit) for i in pending]
         retry = []
-        for i, cut, encoding in zip(pending, cuts, tokenizer.encode_batch_fast(cuts)):
-            if encoding.overflowing or len(cut) == len(texts[i]):
+        for i, cut_text, encoding in zip(pending, cuts, tokenizer.encode_batch_fast(cuts)):
+            if encoding.overflowing or len(cut_text) == len(texts[i]):
                 encodings[i] = encoding
             else:
                 retry.append(i)
@@ -227,12 +238,35 @@ def encode_cut(tokenizer: Tokenizer, texts: list[str], max_length: int) -> list[
     return encodings
 
 
+def cuts_at_spaces(spec: dict | None) -> bool:
+    """Whether a pre-tokenizer ends a piece at a single space between two visible characters and
+    starts the next with it, so that text on either side of such a space tokenizes as in the whole
+    (see _cut): BERT's, whitespace splitting, byte-level BPE's own regex, Metaspace's split, a Split
+    on GPT-2's or Qwen's pattern, or a Sequence whose first step is one of those (later steps only
+    split its pieces further). Not without a pre-tokenizer: BPE then merges across spaces."""
+    if spec is None:
+        return False
+    kind = spec["type"]
+    if kind in ("BertPreTokenizer", "Whitespace", "WhitespaceSplit"):
+        return True
+    if kind == "ByteLevel":
+        return spec.get("use_regex", True)
+    if kind == "Metaspace":
+        return spec.get("split", True)
+    if kind == "Split":
+        return (spec["pattern"].get("Regex") in _SPACE_SPLITTING_PATTERNS and spec["behavior"] == "Isolated"
+                and not spec["invert"])
+    if kind == "Sequence":
+        return bool(spec["pretokenizers"]) and cuts_at_spaces(spec["pretokenizers"][0])
+    return False
+
+
 def ascii_normalizer(spec: dict | None) -> Callable[[str], str] | None:
     """What a tokenizer's normalizer does to ASCII text, as str methods; None where that is not known.
 
     BertNormalizer's clean_text drops control characters and turns tab, newline and return into
-    spaces; Chinese characters and accents are not ASCII; lowercase is str.lower. Unicode normal
-    forms change no ASCII character and Lowercase is str.lower. A Sequence applies its steps in
+    spaces; Chinese characters and accents are not ASCII; its lowercase, like Lowercase, is
+    str.lower. Unicode normal forms change no ASCII character. A Sequence applies its steps in
     order. No normalizer at all leaves every text, ASCII or not, as it is.
     """
     steps = _ascii_steps(spec)
@@ -245,7 +279,12 @@ def _ascii_steps(spec: dict | None) -> list[Callable[[str], str]] | None:
     if spec["type"] == "Lowercase":
         return [str.lower]
     if spec["type"] == "BertNormalizer":
-        return [_clean_ascii] * spec["clean_text"] + [str.lower] * spec["lowercase"]
+        steps = []
+        if spec["clean_text"]:
+            steps.append(_clean_ascii)
+        if spec["lowercase"]:
+            steps.append(str.lower)
+        return steps
     if spec["type"] == "Sequence":
         steps = [_ascii_steps(step) for step in spec["normalizers"]]
         return None if any(step is None for step in steps) else [f for step in steps for f in step]
@@ -264,7 +303,8 @@ def _apply(steps: list[Callable[[str], str]], text: str) -> str:
 
 def pair_template(spec: dict | None) -> Template | None:
     """How the tokenizer's post-processor lays out a pair: "A", "B" and special-token ids, each with
-    its token type. None for any other post-processor, or none (their pairs are encoded whole)."""
+    its token type. None for any other post-processor, for none, and for a template that does not
+    hold A then B once each (their pairs are encoded whole)."""
     if spec is None:
         return None
     if spec["type"] == "BertProcessing":
@@ -293,13 +333,26 @@ def _spec(component: object | None) -> dict | None:
     return None if component is None else json.loads(component.__getstate__())
 
 
+def _any_of(strings: list[str]) -> re.Pattern | None:
+    """A pattern that finds any of the (non-empty) strings; None when there are none."""
+    strings = sorted({string for string in strings if string})
+    return re.compile("|".join(map(re.escape, strings))) if strings else None
+
+
+def _pieces(text: str, chars: int) -> Iterator[str]:
+    """The text in pieces of at most `chars` characters, split at suitable spaces (see _cut)."""
+    while text:
+        piece = _cut(text, chars)
+        yield piece
+        text = text[len(piece):]
+
+
 def _cut(text: str, limit: int) -> str:
     """The text up to its last suitable space before `limit` characters; the whole text if there is none.
 
-    Only a single space between two visible characters will do: every pre-tokenizer (BERT's,
-    byte-level BPE's, Metaspace) ends a piece there and starts the next with it. Not in or beside a
-    run of whitespace: byte-level BPE merges a run as one piece, and Metaspace keeps newlines inside
-    the word before them.
+    Only a single space between two visible characters will do: the pre-tokenizers cuts_at_spaces
+    accepts end a piece there and start the next with it. Not in or beside a run of whitespace:
+    byte-level BPE merges a run as one piece, and Metaspace keeps newlines inside the word before them.
     """
     if len(text) <= limit:
         return text

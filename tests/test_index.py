@@ -198,6 +198,17 @@ def test_interrupt_in_the_engine_loop_leaves_nothing(tmp_path: Path, engine: Eng
     assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options), KeyboardInterrupt, None)
 
 
+def test_the_first_bad_row_is_the_one_reported_while_chunks_tokenize_ahead(tmp_path: Path, engine: Engine) -> None:
+    """A too-long text in the first chunk is found while the next chunk is selected (where an empty
+    text fails): the error reported is the first row's, as a run one row at a time would report."""
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": LONG}, {"id": "b", "text": "fine"},
+                                                   {"id": "c", "text": "   "}, {"id": "d", "text": "ok"}])
+    options = IndexOptions(source=str(source), out=f"{tmp_path}/x.parquet", chunk_rows=2, on_long="error",
+                           on_empty="error")
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options),
+                                   UserError, "line 1: text is longer")
+
+
 def test_error_in_the_writer_thread_reaches_the_caller(tmp_path: Path, engine: Engine) -> None:
     existing_output(engine, tmp_path / "warm", "x.lance")
     source = write_jsonl(tmp_path / "good.jsonl", GOOD)

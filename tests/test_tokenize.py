@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from engine.checkpoint import resolve_model
 from pipelines import tokenize
@@ -65,15 +65,29 @@ def tokenizers_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tokenizers")
 
 
+# Qwen2's and Qwen3's pre-tokenizer pattern, as their tokenizer.json spells it.
+QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 def trained(kind: str, directory: Path) -> Path:
+    """A tokenizer of the family `kind` trained on the sample corpus: bpe (GPT-2's byte-level BPE),
+    qwen (Qwen3's: NFC, its Split pattern, then byte-level), bpe-whole (BPE with no pre-tokenizer,
+    which merges across spaces: nothing may be cut or split in pieces) or unigram (XLM-R's)."""
     path = directory / f"{kind}.json"
     if path.exists():
         return path
-    if kind == "bpe":
+    if kind in ("bpe", "qwen", "bpe-whole"):
         tokenizer = Tokenizer(models.BPE())
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=800, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        if kind == "bpe":
+            tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        elif kind == "qwen":
+            tokenizer.normalizer = normalizers.NFC()
+            tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     else:
         tokenizer = Tokenizer(models.Unigram())
         tokenizer.normalizer = normalizers.NFKC()
@@ -93,7 +107,7 @@ def whole_tokenizer(path: Path, max_length: int) -> Tokenizer:
     return whole
 
 
-@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "unigram"])
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "qwen", "bpe-whole", "unigram"])
 @pytest.mark.parametrize("max_length", [16, 128])
 @pytest.mark.parametrize("chars_per_token", [2, 3, 4, CUT_CHARS_PER_TOKEN])
 def test_cut_texts_give_the_whole_texts_tokens(tokenizers_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str,
@@ -101,7 +115,7 @@ def test_cut_texts_give_the_whole_texts_tokens(tokenizers_dir: Path, monkeypatch
     """Tighter cuts than the real one (2-4 characters per token, about what prose has) put the cut
     right at the last kept token in many texts, where a wrong cut would change it."""
     monkeypatch.setattr(tokenize, "CUT_CHARS_PER_TOKEN", chars_per_token)
-    path = resolve_model(None).tokenizer_file if kind == "wordpiece" else trained(kind, tokenizers_dir)
+    path = tokenizer_path(kind, tokenizers_dir)
     texts = corpus_texts() + awkward_texts(max_length)
     expected = whole_tokenizer(path, max_length).encode_batch_fast([text.strip() for text in texts])
 
@@ -112,14 +126,15 @@ def test_cut_texts_give_the_whole_texts_tokens(tokenizers_dir: Path, monkeypatch
     assert sum(len(text.strip()) > max_length * chars_per_token for text in texts) > 50  # many were cut
 
 
-@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "unigram"])
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "qwen", "bpe-whole", "unigram"])
 @pytest.mark.parametrize("chars_per_token", [2, 3, 4, CUT_CHARS_PER_TOKEN])
 def test_pairs_with_cut_documents_give_the_whole_pairs_tokens(tokenizers_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                               kind: str, chars_per_token: int) -> None:
     """Short queries (documents cut), queries near half the room, and long queries (both sides
     truncated: encoded whole), each against every document."""
     monkeypatch.setattr(tokenize, "CUT_CHARS_PER_TOKEN", chars_per_token)
-    path = resolve_model(None).tokenizer_file if kind == "wordpiece" else trained(kind, tokenizers_dir)
+    monkeypatch.setattr(tokenize, "CORES", 10_000)  # every call has fewer pairs than cores: pairs are put together here
+    path = tokenizer_path(kind, tokenizers_dir)
     max_length = 64
     docs = corpus_texts()[:80] + awkward_texts(max_length)
     # Half the room is 30 tokens with WordPiece's three special tokens, 32 without any: queries just
@@ -209,17 +224,18 @@ def test_a_tokenizer_that_prepends_to_every_input_gives_the_librarys_ids(tmp_pat
     assert [ids.tolist() for ids in encoded_texts.ids] == [e.ids for e in expected_texts]
 
 
-@pytest.mark.parametrize("kind", ["wordpiece", "wordpiece-bert-processing", "bpe", "unigram"])
+@pytest.mark.parametrize("kind", ["wordpiece", "wordpiece-bert-processing", "bpe", "qwen", "bpe-whole", "unigram"])
 @pytest.mark.parametrize("piece_chars", [7, tokenize.MIN_PIECE_CHARS])
 def test_pairs_put_together_from_pieces_give_the_whole_pairs_tokens(tokenizers_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    kind: str, piece_chars: int) -> None:
     """Pieces of 7 characters split a document at nearly every suitable space; the tokenizer itself
-    encodes only the pairs this cannot put together (long queries, special tokens' texts, non-ASCII)."""
+    encodes only the pairs this cannot put together (long queries, special tokens' texts, non-ASCII
+    texts for a tokenizer with a normalizer, every pair for one without a pre-tokenizer)."""
     monkeypatch.setattr(tokenize, "MIN_PIECE_CHARS", piece_chars)
     monkeypatch.setattr(tokenize, "CORES", 10_000)  # as many pieces as the minimum allows
     path = tokenizer_path(kind, tokenizers_dir)
     max_length = 128
-    docs = [text for text in corpus_texts()[:60] + awkward_texts(max_length) if text.strip().isascii()]
+    docs = corpus_texts()[:60] + awkward_texts(max_length)
     # The last two queries need the whole pair encoded: one holds [CLS] (for WordPiece), one is long.
     queries = ["how to read a file", "Which CLASS\treads tokens?", "x", "y z", "[CLS] as text", docs[-1][:900]] * len(docs)
     pairs = list(zip(queries, docs))
@@ -235,7 +251,10 @@ def test_pairs_put_together_from_pieces_give_the_whole_pairs_tokens(tokenizers_d
     assert encoded.truncated == [bool(e.overflowing) for e in expected]
     assert sum(encoded.truncated) > 20
     encoded_whole = sum(len(call) for counting in whole for call in counting.calls)
-    assert 0 < encoded_whole < len(pairs) // 2
+    if kind == "bpe-whole":  # merges across spaces: no document may be split
+        assert encoded_whole == len(pairs)
+    else:  # at least the long query's and the [CLS] query's pairs, but not the most
+        assert len(pairs) // 6 <= encoded_whole <= len(pairs) * 3 // 4
 
 
 def tokenizer_path(kind: str, directory: Path) -> Path:
@@ -248,3 +267,38 @@ def tokenizer_path(kind: str, directory: Path) -> Path:
         tokenizer.save(str(path))
         return path
     return trained(kind, directory)
+
+
+def test_an_added_token_the_normalizer_would_remove_still_sends_its_texts_whole(tmp_path: Path) -> None:
+    """A control character added as a token (matched before normalization) is gone from the normal
+    form, so only the raw text shows it: such a text must still go to the tokenizer."""
+    tokenizer = Tokenizer.from_file(str(resolve_model(None).tokenizer_file))
+    tokenizer.add_tokens([AddedToken("\x01", normalized=False)])
+    path = tmp_path / "control-token.json"
+    tokenizer.save(str(path))
+    texts = ["a\x01b c", "plain text"]
+
+    encoded = TextTokenizer(path, 32).encode(texts)
+
+    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in whole_tokenizer(path, 32).encode_batch_fast(texts)]
+
+
+def test_a_pair_whose_document_ends_in_what_the_model_drops_is_truncated_as_the_library_says(tmp_path: Path,
+                                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A BPE without an unknown token drops characters it cannot encode: a cut of the document with
+    exactly the room's tokens may then be all the document has, and the pair was not truncated."""
+    monkeypatch.setattr(tokenize, "CORES", 10_000)
+    monkeypatch.setattr(tokenize, "CUT_CHARS_PER_TOKEN", 2)
+    tokenizer = Tokenizer(models.BPE({"a": 0, "b": 1, "[CLS]": 2, "[SEP]": 3}, []))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                             special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    path = tmp_path / "drops.json"
+    tokenizer.save(str(path))
+    pairs = [("a", "b b b b " + "~" * 20), ("a", "b b b b b " + "~" * 20), ("a", "b b b")]
+    expected = whole_tokenizer(path, 8).encode_batch_fast(pairs)
+
+    encoded = TextTokenizer(path, 8).encode_pairs([a for a, _ in pairs], [b for _, b in pairs])
+
+    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
+    assert encoded.truncated == [bool(e.overflowing) for e in expected] == [False, True, False]

@@ -144,7 +144,8 @@ class TextTokenizer:
         here.
         """
         pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
-        bare = [(self._bare_text(a), self._bare_text(b)) for a, b in pairs]
+        normal_forms = {text: self._bare_text(text) for pair in pairs for text in pair}  # a query recurs per pair
+        bare = [(normal_forms[a], normal_forms[b]) for a, b in pairs]
         bare = [pair if None not in pair else None for pair in bare]
         in_pieces = len(pairs) < CORES and self._bare_pieces is not None
         results = self._pairs_in_pieces(bare) if in_pieces else [None] * len(pairs)

@@ -47,6 +47,8 @@ def main() -> None:
                      "engine_model_only_tokens_per_s": engine_tokens_per_second(args.minilm, corpus),
                      "servers": {}}
     servers = {"embedctl": ours_command(args.minilm)}
+    if args.also_in_process:
+        servers["embedctl --tokenizer-processes 0"] = [*ours_command(args.minilm), "--tokenizer-processes", "0"]
     if args.peers:
         servers["sentence-transformers"] = [sys.executable, "-m", "bench.serve_bench", "--minilm", str(args.minilm),
                                             "--peer-port", "{port}"]
@@ -70,6 +72,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench-out/serve_bench"), help="directory for results.json and report.md")
     parser.add_argument("--smoke", action="store_true", help="tiny counts (10-document batches) on any device: checks the script")
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="measure embedctl only")
+    parser.add_argument("--also-in-process", action="store_true",
+                        help="also measure embedctl with --tokenizer-processes 0 (no tokenizer worker processes)")
     parser.add_argument("--peer-port", type=int, default=None, help=argparse.SUPPRESS)  # run as the peer server
     args = parser.parse_args()
     if args.minilm is None:

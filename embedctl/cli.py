@@ -105,6 +105,7 @@ def index(
     eager: EagerOpt = False,
     fuse: CompileOpt = True,
     warmup: Annotated[bool, typer.Option(help="Capture every CUDA graph bucket before starting.")] = False,
+    tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize in N worker processes, 0 in this one (default: one per 4 cores when the model runs on a GPU and there are at least 8 cores, else 0).")] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the run's summary as JSON to this file.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print settings and graph counters.")] = False,
@@ -128,7 +129,7 @@ def index(
         options = IndexOptions(source=source, out=out, table=table, text_col=text_col, id_col=id_col,
                                keep=tuple(keep or ()), prompt=doc_prompt, prompt_name=doc_prompt_name, rebuild=rebuild, prune=prune,
                                commit_rows=commit_rows, on_long=on_long.value, on_empty=on_empty.value,
-                               on_duplicate=on_duplicate.value)
+                               on_duplicate=on_duplicate.value, tokenizer_processes=tokenizer_processes)
         corpus = open_corpus(options)  # a wrong path or a bad file should not wait for a model to load
         spec = ModelSpec.of(resolve_model(model), config)
 
@@ -142,10 +143,11 @@ def index(
                            f"pooling {spec.pooling}", err=True)
             return engine
 
+        index_model = IndexModel(spec, load_engine, on_gpu=lambda: config.torch_device().type == "cuda")
         try:
             with lock_output(options):  # taken before the model loads: a refused run returns at once
                 with index_progress(enabled=not quiet and sys.stderr.isatty()) as progress:
-                    result = run_index(IndexModel(spec, load_engine), options, progress, corpus)
+                    result = run_index(index_model, options, progress, corpus)
         except OutputLocked as error:  # not written to --report: the run that holds the lock owns it
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(EXIT_LOCKED) from None
@@ -240,6 +242,7 @@ def serve(
     fuse: CompileOpt = True,
     warmup: Annotated[bool, typer.Option(help="Capture every CUDA graph bucket before serving.")] = False,
     access_log: Annotated[bool, typer.Option(help="Log one line per request.")] = False,
+    tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize requests of many texts in N worker processes, 0 in the server process (default: one per 4 cores when the model runs on a GPU and there are at least 8 cores, else 0).")] = None,
 ) -> None:
     """Serve embeddings and ranking over HTTP: OpenAI /v1/embeddings, TEI /embed and /rerank, /health, /metrics."""
     from embedctl.serve import ServeLimits, ServeOptions, serve as run_server  # fastapi loads only for this command
@@ -249,7 +252,8 @@ def serve(
                               cuda_graphs=not eager, compile=fuse, warmup=warmup, attention=attention,
                               normalize=normalize, dim=dim, max_length=max_length)
         limits = ServeLimits(max_client_batch=max_client_batch, max_request_bytes=max_request_bytes, max_queue=max_queue)
-        run_server(model, config, ServeOptions(host=host, port=port, api_key=api_key, limits=limits, access_log=access_log))
+        run_server(model, config, ServeOptions(host=host, port=port, api_key=api_key, limits=limits, access_log=access_log,
+                                               tokenizer_processes=tokenizer_processes))
 
     _guarded(run, None)
 

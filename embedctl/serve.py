@@ -12,8 +12,10 @@ Everything else, lifespan and /docs included, goes to a FastAPI app, which also 
 endpoints in the OpenAPI schema. FastAPI's routing, dependency and serialisation layers cost
 several times what the request itself costs on the CPU, and the server runs on one event loop.
 
-A request is tokenized on the event loop when it is short and the engine idle, else in a thread
-pool (the tokenizer releases the GIL, so large requests tokenize in parallel), its sequences join the
+A request is tokenized on the event loop when it is short and the engine idle, in the worker
+processes of a TokenizerPool when it holds many texts (beside a GPU, where the pool has workers:
+their GIL is not the loop's), else in a thread pool (the tokenizer releases the GIL for its own
+work, so requests tokenize in parallel), its sequences join the
 engine.scheduler queue that every client shares, and the loop awaits an asyncio future that the
 scheduler thread resolves through _Wakeups, so no request ever blocks the loop on the engine. The
 engine is loaded without normalisation: vectors are cut to `dimensions` and normalised here, per
@@ -55,6 +57,7 @@ from engine.batch import PackedBatch
 from engine.errors import short_reason
 from engine.scheduler import QueueFull, Scheduler, SchedulerClosed
 from pipelines.tokenize import Encoded, TextTokenizer
+from pipelines.tokenize_pool import TokenizerPool, default_processes
 
 log = logging.getLogger("embedctl.serve")
 
@@ -66,6 +69,9 @@ RETRY_AFTER_SECONDS = 1
 INLINE_CHARS = 512
 WARMUP_RUNS = 3  # a CUDA graph bucket runs eagerly on its first hit, is captured on the second, replays after
 TOKENIZER_THREADS = min(8, os.cpu_count() or 1)
+# Requests with at least this many texts are tokenized in the worker processes, when there are any: a
+# few texts cost less than the trip through the pipe.
+WORKER_TEXTS = 16
 OPEN_PATHS = ("/health",)
 ENDPOINTS = ("/v1/embeddings", "/embed", "/rerank", "/health", "/metrics", "/v1/models", "/docs", "/openapi.json")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -101,6 +107,12 @@ class ServeOptions:
     api_key: str | None = None
     limits: ServeLimits = ServeLimits()
     access_log: bool = False
+    tokenizer_processes: int | None = None  # None: default_processes
+
+    def __post_init__(self) -> None:
+        if self.tokenizer_processes is not None and self.tokenizer_processes < 0:
+            raise UserError(f"--tokenizer-processes {self.tokenizer_processes}: give 0 (tokenize in the server "
+                            "process) or a number of worker processes")
 
 
 class ApiError(HTTPException):
@@ -186,18 +198,23 @@ def _list_of(value: Any, kind: type) -> bool:
 
 
 def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = ServeLimits(),
-               api_key: str | None = None, normalize: bool | None = None) -> ASGIApp:
+               api_key: str | None = None, normalize: bool | None = None,
+               tokenizer_processes: int | None = None) -> ASGIApp:
     """The HTTP app over a loaded engine. Serving it (uvicorn) starts the scheduler and the warm-up.
 
     engine must be loaded with normalize=False: vectors are normalised per request here.
     normalize is what /v1/embeddings does (None: as the model's sentence-transformers files say).
+    tokenizer_processes: worker processes for large requests (None: default_processes for the device).
     """
     if engine.normalize:
         raise UserError("create_app needs an engine loaded with normalize=False; the server normalises per request")
     if engine.num_labels > 1:
         raise UserError(f"{engine.files.name} is a cross-encoder with {engine.num_labels} labels; "
                         "serve an embedding model or a one-score cross-encoder")
-    service = _Service(engine, tokenizer, limits, engine.files.normalize if normalize is None else normalize)
+    if tokenizer_processes is None:
+        tokenizer_processes = default_processes(engine.device.type == "cuda")
+    service = _Service(engine, tokenizer, limits, engine.files.normalize if normalize is None else normalize,
+                       tokenizer_processes)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -258,7 +275,7 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
                         "pick another --port or --host") from None
     engine = Engine.load(model, replace(config, normalize=False))
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
-    app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize)
+    app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize, options.tokenizer_processes)
     server = uvicorn.Server(uvicorn.Config(app, access_log=options.access_log,
                                            timeout_graceful_shutdown=DRAIN_SECONDS))
     logging.getLogger("uvicorn.error").info(
@@ -270,8 +287,10 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
 class _Service:
     """What the endpoints share: the engine, the tokenizer pool, the scheduler, the metrics."""
 
-    def __init__(self, engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits, normalize: bool) -> None:
+    def __init__(self, engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits, normalize: bool,
+                 tokenizer_processes: int) -> None:
         self.engine, self.tokenizer, self.limits, self.normalize = engine, tokenizer, limits, normalize
+        self.tokenizer_processes = tokenizer_processes
         self.name = engine.files.name
         self.names = {self.name, Path(self.name).name}
         self.vocab_size = int(engine.files.config.get("vocab_size", 0))
@@ -279,21 +298,25 @@ class _Service:
         self.metrics = _Metrics()
         self.scheduler: Scheduler | None = None
         self.pool: ThreadPoolExecutor | None = None
+        self.workers: TokenizerPool | None = None
         self.wakeups: _Wakeups | None = None
         self.ready = False
         self.warm_error: str | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="embedctl-tokenize")
+        self.workers = TokenizerPool(self.tokenizer, self.tokenizer_processes)
         self.wakeups = _Wakeups(loop)
         self.scheduler = Scheduler(self.engine, self.limits.max_queue, on_batch=self.metrics.observe_batch)
 
     def stop(self) -> None:
         self.scheduler.close()
         self.pool.shutdown()
+        self.workers.close()
 
     async def warm_up(self) -> None:
         try:
+            await asyncio.get_running_loop().run_in_executor(self.pool, self.workers.wait_for_workers)
             encoded = await self.encode_texts(["warm up"], "input", truncate=True)
             for _ in range(WARMUP_RUNS):
                 await self.run(encoded)
@@ -371,9 +394,16 @@ class _Service:
 
     async def encode_texts(self, texts: Sequence[str], field: str, truncate: bool) -> Encoded:
         self.check_texts(texts, field)
-        encoded = await self.tokenize(self.tokenizer.encode, texts)
+        encoded = await self.encode(texts)
         self.check_truncation(encoded, field, truncate)
         return encoded
+
+    async def encode(self, texts: Sequence[str]) -> Encoded:
+        """The texts' ids: in the worker processes for a request of many texts when there are workers,
+        else as tokenize() decides."""
+        if len(texts) >= WORKER_TEXTS and self.workers.in_workers:
+            return await asyncio.wrap_future(self.workers.submit(texts))
+        return await self.tokenize(self.tokenizer.encode, texts)
 
     async def tokenize(self, encode: Callable[..., Encoded], *texts: Sequence[str]) -> Encoded:
         """encode(*texts) on the loop when the texts are short and the engine is idle, else in the pool.
@@ -414,7 +444,7 @@ class _Service:
             self.check_truncation(encoded, field, truncate)
             scores = (await self.run(encoded))[:, 0]
         else:
-            encoded = await self.tokenize(self.tokenizer.encode, [query, *texts])
+            encoded = await self.encode([query, *texts])
             self.check_truncation(Encoded(encoded.ids[1:], encoded.truncated[1:]), field, truncate)
             if not truncate and encoded.truncated[0]:
                 raise ApiError(422, f"query is longer than the model's max length of {self.engine.max_length} tokens "

@@ -1,6 +1,6 @@
 """`embedctl index`: a corpus of shards in, a vector table kept up to date, every stage beside the engine.
 
-    reader thread -> select thread + two tokenizing threads -> packer + Engine.step (this thread) -> writer thread
+    reader thread -> select thread + TokenizerPool -> packer + Engine.step (this thread) -> writer thread
 
 Every row gets a content key: a hash of its text, its kept columns, the prompt and the settings that
 decide its vector (weights, pooling, normalisation, max length, dim). Rows whose id the output already
@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
@@ -40,15 +40,14 @@ from engine import ModelSpec, Packer
 from engine.errors import UserError
 from pipelines.lock import hold_lock
 from pipelines.readers import Chunk, CorpusReader
-from pipelines.tokenize import TextTokenizer, resolve_prompt
+from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
+from pipelines.tokenize_pool import TokenizerPool, default_processes
 from pipelines.writers import VectorStore, lock_file, open_store, output_schema
 
 if TYPE_CHECKING:
     from engine import Engine
 
 QUEUE_DEPTH = 4
-# Chunks being tokenized at once (see _tokenize).
-TOKENIZING_CHUNKS = 2
 
 
 @dataclass(frozen=True)
@@ -68,6 +67,12 @@ class IndexOptions:
     on_empty: str = "skip"  # skip | error
     on_duplicate: str = "error"  # error | skip
     chunk_rows: int = 1024
+    tokenizer_processes: int | None = None  # worker processes that tokenize; None: default_processes
+
+    def __post_init__(self) -> None:
+        if self.tokenizer_processes is not None and self.tokenizer_processes < 0:
+            raise UserError(f"--tokenizer-processes {self.tokenizer_processes}: give 0 (tokenize in the main process) "
+                            "or a number of worker processes")
 
 
 @dataclass
@@ -144,16 +149,18 @@ class _Tokenized:
 class IndexModel:
     """What run_index embeds with: the model's spec now, its tokenizer and engine when a row first needs them."""
 
-    def __init__(self, spec: ModelSpec, load_engine: Callable[[ModelSpec], Engine]) -> None:
+    def __init__(self, spec: ModelSpec, load_engine: Callable[[ModelSpec], Engine], on_gpu: Callable[[], bool]) -> None:
+        """on_gpu: whether load_engine will put the model on a GPU (asked before it loads)."""
         self.spec = spec
         self._load_engine = load_engine
+        self.on_gpu = on_gpu
         self.engine: Engine | None = None
         self.load_seconds = 0.0
 
     @classmethod
     def loaded(cls, engine: Engine) -> IndexModel:
         """An engine the caller loaded already (tests and benchmarks reuse one across runs)."""
-        model = cls(engine.spec, lambda spec: engine)
+        model = cls(engine.spec, lambda spec: engine, lambda: engine.device.type == "cuda")
         model.engine = engine
         return model
 
@@ -292,38 +299,37 @@ def _select(chunks: Iterator[Chunk], options: IndexOptions, report: IndexReport,
 
 
 def _tokenize(selections: Iterator[_Selection], model: IndexModel, options: IndexOptions) -> Iterator[_Tokenized]:
-    """Each selection's rows tokenized, in order, TOKENIZING_CHUNKS chunks at a time.
-
-    The tokenizer's Rust threads run with the GIL released, but turning a chunk's encodings into
-    arrays holds it, and one chunk at a time would leave those threads idle meanwhile: so the next
-    chunk is already being tokenized in a second thread. On the H200 host, MiniLM's end-to-end
-    index ran 5% faster so (bench/results/gpu-2026-11-30-run31-tokenizing-chunks-ab)."""
-    with ThreadPoolExecutor(TOKENIZING_CHUNKS, thread_name_prefix="embedctl-tokenize") as pool:
-        pending: deque[Future] = deque()
-        selections = iter(selections)
+    """Each selection's rows tokenized, in order, with the pool's depth of chunks submitted ahead."""
+    selections = iter(selections)
+    first = next(selections, None)
+    if first is None:
+        return
+    tokenizer = model.tokenizer  # loaded here, at the first row to embed
+    processes = options.tokenizer_processes
+    with TokenizerPool(tokenizer, default_processes(model.on_gpu()) if processes is None else processes) as pool:
+        pending: deque[tuple[_Selection, Future[Encoded]]] = deque()
+        rest = _chain(first, selections)
         while True:
             try:
-                selection = next(selections)
+                selection = next(rest)
             except StopIteration:
                 break
             except Exception:
                 for earlier in pending:
-                    earlier.result()  # a failure in rows that came before is the one to report
+                    _tokenized(*earlier, tokenizer.max_length, options)  # a failure in rows before is the one to report
                 raise
-            tokenizer = model.tokenizer  # loaded here, at the first row to embed, not in two threads at once
-            pending.append(pool.submit(_tokenize_one, selection, tokenizer, options))
-            if len(pending) == TOKENIZING_CHUNKS:
-                yield pending.popleft().result()
+            pending.append((selection, pool.submit([options.prompt + selection.chunk.texts[row] for row in selection.rows])))
+            while len(pending) >= pool.depth:
+                yield _tokenized(*pending.popleft(), tokenizer.max_length, options)
         while pending:
-            yield pending.popleft().result()
+            yield _tokenized(*pending.popleft(), tokenizer.max_length, options)
 
 
-def _tokenize_one(selection: _Selection, tokenizer: TextTokenizer, options: IndexOptions) -> _Tokenized:
-    chunk, rows = selection.chunk, selection.rows
-    encoded = tokenizer.encode([options.prompt + chunk.texts[row] for row in rows])
+def _tokenized(selection: _Selection, encoding: Future[Encoded], max_length: int, options: IndexOptions) -> _Tokenized:
+    chunk, rows, encoded = selection.chunk, selection.rows, encoding.result()
     if options.on_long == "error" and any(encoded.truncated):
         row = rows[encoded.truncated.index(True)]
-        raise UserError(f"{chunk.where(row)}: text is longer than the model's {tokenizer.max_length} "
+        raise UserError(f"{chunk.where(row)}: text is longer than the model's {max_length} "
                         "tokens; shorten it or pass --on-long truncate")
     return _Tokenized(chunk, rows, encoded.ids, encoded.truncated, selection.keys)
 

@@ -82,7 +82,7 @@ class TextTokenizer:
                             "replace it with the model's own tokenizer.json") from None
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length)
-        self.max_length = max_length
+        self.file, self.max_length = Path(tokenizer_file), max_length
         self._cuts = cuts_at_spaces(_spec(self.tokenizer.pre_tokenizer))
         normalizer = _spec(self.tokenizer.normalizer)
         self._normalize = ascii_normalizer(normalizer)

@@ -9,6 +9,7 @@ are in test_incremental.py.
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ import embedctl
 from engine import Engine, EngineConfig, UserError
 from pipelines.index import IndexModel, IndexOptions, IndexReport, run_index
 from pipelines.tokenize import TextTokenizer
+from pipelines.tokenize_pool import TokenizerPool
 from tests.files import snapshot, write_jsonl
 
 LONG = "A sentence that repeats until the text is longer than the model allows. " * 40
@@ -98,6 +100,32 @@ def test_vectors_ids_and_kept_columns_match_the_api_in_input_order(
     assert report.truncated == sum(table.column("truncated").to_pylist()) == sum(LONG in r["text"] for r in kept)
 
 
+class StartedPool(TokenizerPool):
+    """A pool that waits for its workers, so that every chunk of a small run goes to them."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.wait_for_workers()
+
+
+@pytest.fixture
+def started_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pipelines.index.TokenizerPool", StartedPool)
+
+
+def test_worker_processes_write_what_the_main_process_writes(
+        tmp_path: Path, engine: Engine, corpus: tuple[Path, list[dict]], started_workers: None) -> None:
+    source, _ = corpus
+    in_main = index(engine, source, f"{tmp_path}/main.parquet", keep=("tag",), tokenizer_processes=0)
+    in_workers = index(engine, source, f"{tmp_path}/workers.parquet", keep=("tag",), tokenizer_processes=2)
+    main_table, workers_table = read_output(f"{tmp_path}/main.parquet"), read_output(f"{tmp_path}/workers.parquet")
+    assert workers_table.drop_columns("vector").equals(main_table.drop_columns("vector"))
+    np.testing.assert_allclose(np.stack(workers_table.column("vector").to_numpy(zero_copy_only=False)),
+                               np.stack(main_table.column("vector").to_numpy(zero_copy_only=False)), atol=1e-6)
+    assert (in_workers.tokens, in_workers.truncated) == (in_main.tokens, in_main.truncated) and in_main.truncated
+    assert multiprocessing.active_children() == []
+
+
 def test_duplicates_skipped_on_request_keep_the_first(tmp_path: Path, engine: Engine,
                                                      reference: embedctl.Embedder) -> None:
     rows = [{"id": "a", "text": "first"}, {"id": "b", "text": "second"}, {"id": "a", "text": "again"}]
@@ -169,6 +197,14 @@ def test_bad_line_far_in_leaves_no_output(tmp_path: Path, engine: Engine,
     assert not (tmp_path / out).exists()
 
 
+def test_a_failure_with_worker_processes_leaves_no_output_and_no_process(
+        tmp_path: Path, engine: Engine, bad_source: Path, started_workers: None) -> None:
+    options = IndexOptions(source=str(bad_source), out=f"{tmp_path}/x.parquet", chunk_rows=7, tokenizer_processes=2)
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options),
+                                   UserError, "bad.jsonl line 301")
+    assert multiprocessing.active_children() == []
+
+
 @pytest.mark.parametrize("out", OUTPUTS)
 @pytest.mark.parametrize("rebuild", [False, True])
 def test_bad_line_before_the_first_commit_leaves_an_existing_output_untouched(
@@ -198,13 +234,15 @@ def test_interrupt_in_the_engine_loop_leaves_nothing(tmp_path: Path, engine: Eng
     assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options), KeyboardInterrupt, None)
 
 
-def test_the_first_bad_row_is_the_one_reported_while_chunks_tokenize_ahead(tmp_path: Path, engine: Engine) -> None:
+@pytest.mark.parametrize("processes", [0, 2])
+def test_the_first_bad_row_is_the_one_reported_while_chunks_tokenize_ahead(
+        tmp_path: Path, engine: Engine, processes: int, started_workers: None) -> None:
     """A too-long text in the first chunk is found while the next chunk is selected (where an empty
     text fails): the error reported is the first row's, as a run one row at a time would report."""
     source = write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": LONG}, {"id": "b", "text": "fine"},
                                                    {"id": "c", "text": "   "}, {"id": "d", "text": "ok"}])
     options = IndexOptions(source=str(source), out=f"{tmp_path}/x.parquet", chunk_rows=2, on_long="error",
-                           on_empty="error")
+                           on_empty="error", tokenizer_processes=processes)
     assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options),
                                    UserError, "line 1: text is longer")
 

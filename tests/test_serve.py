@@ -109,7 +109,9 @@ def stop(server: Server) -> None:
 @pytest.fixture(scope="module")
 def server(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     limits = [f"--{name.replace('_', '-')}={value}" for name, value in LIMITS.items()]
-    server = start_server(minilm_dir, tmp_path_factory.mktemp("serve") / "server.log", "--api-key", KEY, *limits)
+    # One tokenizer process, which the CPU would not start by default: requests of many texts go to it.
+    server = start_server(minilm_dir, tmp_path_factory.mktemp("serve") / "server.log", "--api-key", KEY,
+                          "--tokenizer-processes", "1", *limits)
     yield server
     stop(server)
 

@@ -1,0 +1,68 @@
+"""TokenizerPool: worker processes give exactly what the tokenizer gives in this process, and leave nothing behind."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from engine import UserError
+from pipelines.tokenize import TextTokenizer
+from pipelines.tokenize_pool import TokenizerPool, default_processes
+from tests.models import minilm_path
+
+TEXTS = ["Short text.", "  padded text  ", "Ünïcödé and 漢字 text.", "A long sentence that goes on. " * 200,
+         "[SEP] holds a special token", "tabs\tand\nnewlines"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TextTokenizer:
+    return TextTokenizer(minilm_path() / "tokenizer.json", 128)
+
+
+def assert_same(got: object, want: object) -> None:
+    assert [ids.tolist() for ids in got.ids] == [ids.tolist() for ids in want.ids]
+    assert got.truncated == want.truncated
+
+
+def test_workers_give_what_the_tokenizer_gives(tokenizer: TextTokenizer) -> None:
+    chunks = [TEXTS, TEXTS[::-1], TEXTS[2:3], [f"document {i} about tables" for i in range(300)]]
+    with TokenizerPool(tokenizer, processes=2) as pool:
+        pool.wait_for_workers()
+        assert pool.in_workers and pool.depth == 4
+        futures = [pool.submit(chunk) for chunk in chunks]
+        for chunk, future in zip(chunks, futures):
+            assert_same(future.result(timeout=60), tokenizer.encode(chunk))
+    assert futures[0].result().truncated[3]  # the long text was cut in a worker, and said so
+    assert multiprocessing.active_children() == []
+
+
+def test_chunks_submitted_before_the_workers_start_run_on_threads(tokenizer: TextTokenizer) -> None:
+    with TokenizerPool(tokenizer, processes=1) as pool:
+        assert not pool.in_workers and pool.depth == 2  # a spawned worker takes a few tenths of a second to start
+        assert_same(pool.submit(TEXTS).result(timeout=60), tokenizer.encode(TEXTS))
+    with TokenizerPool(tokenizer, processes=0) as pool:
+        assert not pool.in_workers and pool.depth == 2
+        assert_same(pool.submit(TEXTS).result(), tokenizer.encode(TEXTS))
+
+
+def test_a_worker_that_dies_is_a_one_line_error(tokenizer: TextTokenizer) -> None:
+    with TokenizerPool(tokenizer, processes=1) as pool:
+        pool.wait_for_workers()
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        with pytest.raises(UserError, match="a tokenizer process died .*--tokenizer-processes 0"):
+            while time.monotonic() < deadline:  # the pool notices the death a moment later
+                pool.submit(TEXTS).result(timeout=30)
+    assert multiprocessing.active_children() == []
+
+
+def test_processes_only_beside_a_gpu_on_enough_cores() -> None:
+    assert default_processes(on_gpu=True, cores=16) == 4
+    assert default_processes(on_gpu=True, cores=32) == 8
+    assert default_processes(on_gpu=True, cores=4) == 0
+    assert default_processes(on_gpu=False, cores=64) == 0

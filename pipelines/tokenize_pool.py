@@ -4,7 +4,7 @@ The tokenizer's Rust threads release the GIL, but every text's ids still become 
 then an array under it, and that share grows with the threads: one process on 16 threads made 4.9M
 tokens/s on the H200 host while its main thread spent 4.5 CPU-seconds of the 0.55-second run holding
 the GIL, the lock the thread that feeds the GPU needs too. Four processes of four threads made 6.2M
-tokens/s and left the main process 0.05 CPU-seconds (bench/results/gpu-2026-12-01-run33-tokenizer-processes).
+tokens/s and left the main process 0.05 CPU-seconds (bench/results/gpu-2026-11-30-run33-tokenizer-processes).
 
 Workers are spawned (never forked: the parent may hold CUDA and threads) and each loads its own
 TextTokenizer, which takes a few tenths of a second: until they are all up, chunks go to two

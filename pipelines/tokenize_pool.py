@@ -6,23 +6,29 @@ tokens/s on the H200 host while its main thread spent 4.5 CPU-seconds of the 0.5
 the GIL, the lock the thread that feeds the GPU needs too. Four processes of four threads made 6.2M
 tokens/s and left the main process 0.05 CPU-seconds (bench/results/gpu-2026-11-30-run33-tokenizer-processes).
 
-Workers are spawned (never forked: the parent may hold CUDA and threads) and each loads its own
-TextTokenizer, which takes a few tenths of a second: until they are all up, chunks go to two
-threads of this process, so a short run does not wait for them. A worker returns a chunk's ids as
-one flat int32 array with the lengths: three buffers through the pipe, not a thousand objects.
-Workers ignore Ctrl-C; the parent gets it, stops its pipeline and closes the pool.
+A worker is `python -m pipelines.tokenize_pool`, started with subprocess in a session of its own:
+multiprocessing's spawn would import the parent's main module first (torch, for a benchmark), and
+its executor waits at shutdown for workers still starting; a fork could inherit locks held by the
+parent's other threads. Chunks go down a worker's stdin and come back up its stdout, pickled, in
+order: ids as one flat int32 array with the lengths, three buffers rather than a thousand objects.
+A worker loads its own tokenizer, which takes a few tenths of a second; until every worker has,
+chunks go to two threads of this process, so a short run does not wait for them. Ctrl-C reaches
+the parent only; closing the pool kills the workers, which hold nothing worth waiting for.
 
 Not here: the tokenization rules (pipelines.tokenize).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import signal
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +45,7 @@ THREADS = 2
 THREADS_PER_PROCESS = 4
 # Fewer cores than this feed no GPU that outruns one process's tokenizer.
 MIN_CORES = 8
-
-_worker_tokenizer: TextTokenizer | None = None
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
 def default_processes(on_gpu: bool, cores: int = CORES) -> int:
@@ -53,7 +58,7 @@ class TokenizerPool:
     """submit(texts) is a future of tokenizer.encode(texts); callers keep the futures in their order.
 
     With processes=0 every chunk runs on this process's threads. Use it as a context manager, or call
-    close(), which drops chunks not yet started and waits for the rest.
+    close(), which cancels the chunks not yet answered and stops the workers.
     """
 
     def __init__(self, tokenizer: TextTokenizer, processes: int, cores: int = CORES) -> None:
@@ -62,26 +67,19 @@ class TokenizerPool:
         self.tokenizer = tokenizer
         self.processes = processes
         self._threads = ThreadPoolExecutor(THREADS, thread_name_prefix="embedctl-tokenize")
-        self._workers: ProcessPoolExecutor | None = None
-        self._started: list[Future] = []
-        if processes:
-            self._workers = ProcessPoolExecutor(processes, multiprocessing.get_context("spawn"), initializer=_start,
-                                                initargs=(str(tokenizer.file), tokenizer.max_length,
-                                                          max(1, cores // processes)))
-            self._started = [self._workers.submit(_ready) for _ in range(processes)]
+        self._workers = [_Worker(tokenizer, max(1, cores // processes)) for _ in range(processes)]
 
     @property
     def in_workers(self) -> bool:
-        """Whether chunks go to the worker processes now: once they have started."""
-        return self._workers is not None and all(started.done() for started in self._started)
+        """Whether chunks go to the worker processes now: once every one has started."""
+        return bool(self._workers) and all(worker.started.is_set() for worker in self._workers)
 
     def wait_for_workers(self) -> None:
-        """Block until the worker processes have started (at once without any); raises UserError if one died."""
-        for started in self._started:
-            try:
-                started.result()
-            except BrokenProcessPool as error:
-                raise _died(error) from None
+        """Block until every worker has started (at once without any); UserError if one died instead."""
+        for worker in self._workers:
+            worker.started.wait()
+            if worker.failure is not None:
+                raise worker.failure
 
     @property
     def depth(self) -> int:
@@ -91,18 +89,12 @@ class TokenizerPool:
     def submit(self, texts: Sequence[str]) -> Future[Encoded]:
         if not self.in_workers:
             return self._threads.submit(self.tokenizer.encode, texts)
-        result: Future[Encoded] = Future()
-        try:
-            packed = self._workers.submit(_encode, list(texts))
-        except BrokenProcessPool as error:
-            raise _died(error) from None
-        packed.add_done_callback(lambda done: _unpack(done, result))
-        return result
+        return min(self._workers, key=lambda worker: len(worker.pending)).submit(list(texts))
 
     def close(self) -> None:
         self._threads.shutdown(wait=True, cancel_futures=True)
-        if self._workers is not None:
-            self._workers.shutdown(wait=True, cancel_futures=True)
+        for worker in self._workers:
+            worker.close()
 
     def __enter__(self) -> TokenizerPool:
         return self
@@ -111,36 +103,102 @@ class TokenizerPool:
         self.close()
 
 
-def _start(tokenizer_file: str, max_length: int, threads: int) -> None:
-    global _worker_tokenizer
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ["RAYON_NUM_THREADS"] = str(threads)  # read when the tokenizer first starts its thread pool
-    _worker_tokenizer = TextTokenizer(Path(tokenizer_file), max_length)
+class _Worker:
+    """One worker process, with a thread that writes its chunks and one that reads its answers."""
+
+    def __init__(self, tokenizer: TextTokenizer, threads: int) -> None:
+        path = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pipelines.tokenize_pool", str(tokenizer.file), str(tokenizer.max_length)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+            env={**os.environ, "RAYON_NUM_THREADS": str(threads), "PYTHONPATH": path})
+        self.started = threading.Event()  # set once the worker has its tokenizer, or has died
+        self.failure: UserError | None = None
+        self.pending: deque[Future[Encoded]] = deque()  # submitted, not answered, in order
+        self._lock = threading.Lock()
+        self._closing = False
+        self._outbox: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+        self._io = [threading.Thread(target=target, name=f"embedctl-tokenize-{name}", daemon=True)
+                    for target, name in ((self._write, "in"), (self._read, "out"))]
+        for thread in self._io:
+            thread.start()
+
+    def submit(self, texts: list[str]) -> Future[Encoded]:
+        result: Future[Encoded] = Future()
+        with self._lock:
+            if self.failure is not None:
+                raise self.failure
+            self.pending.append(result)
+        self._outbox.put(texts)
+        return result
+
+    def close(self) -> None:
+        self._closing = True
+        self.process.kill()
+        self._outbox.put(None)
+        for thread in self._io:
+            thread.join()
+        self.process.wait()
+        self.process.stdin.close()
+        self.process.stdout.close()
+
+    def _write(self) -> None:
+        try:
+            while (texts := self._outbox.get()) is not None:
+                pickle.dump(texts, self.process.stdin, pickle.HIGHEST_PROTOCOL)
+                self.process.stdin.flush()
+        except OSError:  # the worker is gone; _read tells the callers
+            pass
+
+    def _read(self) -> None:
+        try:
+            pickle.load(self.process.stdout)  # the worker's hello: its tokenizer is loaded
+            self.started.set()
+            while True:
+                flat, lengths, truncated = pickle.load(self.process.stdout)
+                with self._lock:
+                    result = self.pending.popleft()
+                ids = np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
+                result.set_result(Encoded(ids=ids, truncated=truncated.tolist()))
+        except (EOFError, OSError, pickle.UnpicklingError, ValueError):
+            pass
+        with self._lock:
+            if not self._closing:
+                self.failure = UserError(f"a tokenizer process died (exit code {self.process.wait()}); free some "
+                                         "memory and run again, or pass --tokenizer-processes 0 to tokenize in the "
+                                         "main process")
+            unanswered, self.pending = list(self.pending), deque()
+        self.started.set()
+        for result in unanswered:
+            if self.failure is None:
+                result.cancel()
+            else:
+                result.set_exception(self.failure)
 
 
-def _ready() -> None:
-    """Nothing: done once a worker has started."""
-
-
-def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    encoded = _worker_tokenizer.encode(texts)
+def _encode(tokenizer: TextTokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    encoded = tokenizer.encode(texts)
     lengths = np.fromiter(map(len, encoded.ids), np.int64, len(encoded.ids))
     flat = np.concatenate(encoded.ids) if encoded.ids else np.empty(0, np.int32)
     return flat, lengths, np.asarray(encoded.truncated, dtype=bool)
 
 
-def _unpack(done: Future, result: Future[Encoded]) -> None:
-    if done.cancelled():
-        result.cancel()
-        return
-    if (error := done.exception()) is not None:
-        result.set_exception(_died(error) if isinstance(error, BrokenProcessPool) else error)
-        return
-    flat, lengths, truncated = done.result()
-    ids = np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
-    result.set_result(Encoded(ids=ids, truncated=truncated.tolist()))
+def _serve(tokenizer_file: str, max_length: str) -> None:
+    """A worker's life: say hello once the tokenizer is loaded, then answer each chunk until stdin ends."""
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # a stray print must not land in the answers
+    requests = sys.stdin.buffer
+    tokenizer = TextTokenizer(Path(tokenizer_file), int(max_length))
+    pickle.dump(None, answers)
+    answers.flush()
+    while True:
+        try:
+            texts = pickle.load(requests)
+        except EOFError:
+            return
+        pickle.dump(_encode(tokenizer, texts), answers, pickle.HIGHEST_PROTOCOL)
+        answers.flush()
 
 
-def _died(error: BaseException) -> UserError:
-    return UserError(f"a tokenizer process died ({error}); free some memory and run again, "
-                     "or pass --tokenizer-processes 0 to tokenize in the main process")
+if __name__ == "__main__":
+    _serve(*sys.argv[1:])

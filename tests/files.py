@@ -37,3 +37,8 @@ def assert_one_error_line(result: subprocess.CompletedProcess, *phrases: str) ->
     for phrase in phrases:
         assert phrase in lines[0]
     return lines[0]
+
+
+def child_processes() -> list[int]:
+    """The process ids of this process's children (a pipeline's worker processes, say)."""
+    return [int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]

@@ -9,7 +9,6 @@ are in test_incremental.py.
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,7 @@ from engine import Engine, EngineConfig, UserError
 from pipelines.index import IndexModel, IndexOptions, IndexReport, run_index
 from pipelines.tokenize import TextTokenizer
 from pipelines.tokenize_pool import TokenizerPool
-from tests.files import snapshot, write_jsonl
+from tests.files import child_processes, snapshot, write_jsonl
 
 LONG = "A sentence that repeats until the text is longer than the model allows. " * 40
 OUTPUTS = ["x.lance", "x.parquet", "dir/"]
@@ -123,7 +122,7 @@ def test_worker_processes_write_what_the_main_process_writes(
     np.testing.assert_allclose(np.stack(workers_table.column("vector").to_numpy(zero_copy_only=False)),
                                np.stack(main_table.column("vector").to_numpy(zero_copy_only=False)), atol=1e-6)
     assert (in_workers.tokens, in_workers.truncated) == (in_main.tokens, in_main.truncated) and in_main.truncated
-    assert multiprocessing.active_children() == []
+    assert child_processes() == []
 
 
 def test_duplicates_skipped_on_request_keep_the_first(tmp_path: Path, engine: Engine,
@@ -202,7 +201,7 @@ def test_a_failure_with_worker_processes_leaves_no_output_and_no_process(
     options = IndexOptions(source=str(bad_source), out=f"{tmp_path}/x.parquet", chunk_rows=7, tokenizer_processes=2)
     assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options),
                                    UserError, "bad.jsonl line 301")
-    assert multiprocessing.active_children() == []
+    assert child_processes() == []
 
 
 @pytest.mark.parametrize("out", OUTPUTS)

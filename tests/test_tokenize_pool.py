@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
-import time
 
 import pytest
 
 from engine import UserError
 from pipelines.tokenize import TextTokenizer
 from pipelines.tokenize_pool import TokenizerPool, default_processes
+from tests.files import child_processes
 from tests.models import minilm_path
 
 TEXTS = ["Short text.", "  padded text  ", "Ünïcödé and 漢字 text.", "A long sentence that goes on. " * 200,
@@ -37,7 +36,7 @@ def test_workers_give_what_the_tokenizer_gives(tokenizer: TextTokenizer) -> None
         for chunk, future in zip(chunks, futures):
             assert_same(future.result(timeout=60), tokenizer.encode(chunk))
     assert futures[0].result().truncated[3]  # the long text was cut in a worker, and said so
-    assert multiprocessing.active_children() == []
+    assert child_processes() == []
 
 
 def test_chunks_submitted_before_the_workers_start_run_on_threads(tokenizer: TextTokenizer) -> None:
@@ -52,13 +51,26 @@ def test_chunks_submitted_before_the_workers_start_run_on_threads(tokenizer: Tex
 def test_a_worker_that_dies_is_a_one_line_error(tokenizer: TextTokenizer) -> None:
     with TokenizerPool(tokenizer, processes=1) as pool:
         pool.wait_for_workers()
-        for child in multiprocessing.active_children():
-            os.kill(child.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        with pytest.raises(UserError, match="a tokenizer process died .*--tokenizer-processes 0"):
-            while time.monotonic() < deadline:  # the pool notices the death a moment later
-                pool.submit(TEXTS).result(timeout=30)
-    assert multiprocessing.active_children() == []
+        answered = pool.submit(TEXTS)
+        assert_same(answered.result(timeout=60), tokenizer.encode(TEXTS))
+        [worker] = child_processes()
+        os.kill(worker, signal.SIGKILL)
+        with pytest.raises(UserError, match=r"a tokenizer process died \(exit code -9\).*--tokenizer-processes 0"):
+            pool.submit(TEXTS).result(timeout=60)  # whether it died before this was sent or after
+    assert child_processes() == []
+
+
+def test_close_stops_workers_still_starting_and_cancels_what_they_hold(tokenizer: TextTokenizer) -> None:
+    pool = TokenizerPool(tokenizer, processes=2)
+    assert len(child_processes()) == 2
+    pool.close()
+    assert child_processes() == []
+    with TokenizerPool(tokenizer, processes=1) as pool:
+        pool.wait_for_workers()
+        held = [pool.submit(TEXTS * 200) for _ in range(3)]
+    assert child_processes() == []
+    assert all(future.done() for future in held)
+    assert any(future.cancelled() for future in held)
 
 
 def test_processes_only_beside_a_gpu_on_enough_cores() -> None:

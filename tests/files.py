@@ -39,6 +39,7 @@ def assert_one_error_line(result: subprocess.CompletedProcess, *phrases: str) ->
     return lines[0]
 
 
-def child_processes() -> list[int]:
-    """The process ids of this process's children (a pipeline's worker processes, say)."""
-    return [int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]
+def child_processes() -> set[int]:
+    """The process ids of this process's children (a pipeline's worker processes, say; torch.compile
+    keeps workers of its own, so compare with the set from before)."""
+    return {int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()}

@@ -1,0 +1,145 @@
+"""Where `embedctl index` spends the host's time beside a GPU: end to end on a corpus large enough
+that start-up does not hide the steady state.
+
+The corpus's documents are repeated (with fresh ids) up to --docs and written as Parquet shards of
+--shard-docs rows. Each setting of --processes runs in a fresh subprocess: load the model, index
+the first shard (which captures the CUDA graphs), then index the whole corpus, timed: tokens/s and
+the seconds to the first rows embedded. With --py-spy BINARY a second subprocess per setting runs
+the same with py-spy sampling the timed run (GIL holders only, per thread) into
+py-spy-SETTING.txt: the functions that hold the GIL longest, which bound a pipeline of threads.
+
+    python -m bench.index_host --minilm .bundle/minilm --corpus .bench-data/docstrings.parquet --docs 60000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minilm", type=Path, required=True, help="model directory")
+    parser.add_argument("--corpus", type=Path, required=True, help="Parquet file with a text column")
+    parser.add_argument("--docs", type=int, default=60_000)
+    parser.add_argument("--shard-docs", type=int, default=10_000)
+    parser.add_argument("--processes", default="0,default", help="comma-separated --tokenizer-processes values")
+    parser.add_argument("--py-spy", type=Path, default=None, help="py-spy binary: also sample a run of each setting")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/index_host"))
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one run in this process
+    parser.add_argument("--source", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure is not None:
+        print(json.dumps(one_run(args.minilm, args.source, args.measure, args.py_spy, args.out)))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"docs": args.docs, "runs": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        source = write_corpus(args.corpus, Path(scratch) / "corpus", args.docs, args.shard_docs)
+        for setting in args.processes.split(","):
+            command = [sys.executable, "-m", "bench.index_host", "--minilm", str(args.minilm), "--corpus",
+                       str(args.corpus), "--source", str(source), "--measure", setting, "--out", str(args.out)]
+            runs = [measure(command)]
+            if args.py_spy is not None:
+                runs.append(measure([*command, "--py-spy", str(args.py_spy)]))
+            results["runs"][setting] = runs
+            print(f"--tokenizer-processes {setting}: {json.dumps(runs)}", flush=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+
+
+def write_corpus(corpus: Path, directory: Path, docs: int, shard_docs: int) -> Path:
+    texts = [t for t in pq.read_table(corpus, columns=["text"]).column("text").to_pylist() if t and not t.isspace()]
+    directory.mkdir(parents=True)
+    for start in range(0, docs, shard_docs):
+        rows = range(start, min(docs, start + shard_docs))
+        pq.write_table(pa.table({"id": [f"d{i}" for i in rows], "text": [texts[i % len(texts)] for i in rows]}),
+                       directory / f"part-{start // shard_docs:04d}.parquet")
+    return directory
+
+
+def measure(command: list[str]) -> dict:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{command} failed:\n{done.stderr[-3000:]}")
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])  # py-spy talks after
+
+
+def one_run(model: Path, source: Path, setting: str, py_spy: Path | None, out: Path) -> dict:
+    """Load the model, index the first shard to capture the graphs, then time an index of them all."""
+    from engine import Engine, EngineConfig
+    from pipelines.index import IndexModel, IndexOptions, run_index
+
+    engine = Engine.load(str(model), EngineConfig(max_length=512))
+    processes = None if setting == "default" else int(setting)
+    with tempfile.TemporaryDirectory() as scratch:
+        first_shard = str(sorted(source.iterdir())[0])
+        run_index(IndexModel.loaded(engine), IndexOptions(source=first_shard, out=f"{scratch}/warm.parquet"))
+        options = IndexOptions(source=str(source), out=f"{scratch}/out.parquet", tokenizer_processes=processes)
+        first: list[float] = []  # seconds to the first rows embedded
+        started = time.perf_counter()
+
+        def progress(rows: int, tokens: int, total: int | None) -> None:
+            if rows and not first:
+                first.append(time.perf_counter() - started)
+
+        with sampled(py_spy, out / f"py-spy-{setting}.txt"):
+            report = run_index(IndexModel.loaded(engine), options, progress)
+    return {"tokens_per_s": round(report.tokens_per_second), "seconds": round(report.seconds, 3),
+            "first_rows_s": round(first[0], 3), "tokens": report.tokens, "sampled": py_spy is not None}
+
+
+@contextmanager
+def sampled(py_spy: Path | None, summary: Path) -> Iterator[None]:
+    """py-spy samples this process, GIL holders only, while the block runs; summary gets the top functions."""
+    if py_spy is None:
+        yield
+        return
+    raw, log = summary.with_suffix(".raw"), summary.with_suffix(".log")
+    with log.open("w") as sink:
+        sampler = subprocess.Popen([str(py_spy), "record", "--pid", str(os.getpid()), "--gil", "--threads", "--rate", "500",
+                                    "--format", "raw", "--output", str(raw)], stdout=sink, stderr=sink)
+    time.sleep(1)  # py-spy attaches
+    try:
+        yield
+    finally:
+        sampler.send_signal(signal.SIGINT)  # py-spy writes what it has on Ctrl-C
+        sampler.wait(60)
+    summary.write_text(summarize(raw) if raw.exists() else f"py-spy sampled nothing:\n{log.read_text()}")
+    raw.unlink(missing_ok=True)
+    log.unlink()
+
+
+def summarize(raw: Path, top: int = 30) -> str:
+    """py-spy's raw samples as the functions seen holding the GIL most often, by thread: innermost
+    (where the time is spent) and anywhere on the stack (which stage spends it)."""
+    own, anywhere, total = Counter(), Counter(), 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        thread, *frames = stack.split(";")
+        own[thread, frames[-1] if frames else "?"] += int(count)
+        for function in {frame.rpartition(":")[0] for frame in frames}:  # a function, whichever line
+            anywhere[thread, function] += int(count)
+        total += int(count)
+    lines = [f"{total} samples holding the GIL", ""]
+    for title, counts in (("innermost function", own), ("anywhere on the stack", anywhere)):
+        lines += [f"share | thread | {title}", "---|---|---"]
+        lines += [f"{count / total:.1%} | {thread} | {frame}" for (thread, frame), count in counts.most_common(top)]
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

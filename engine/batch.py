@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ class PackedBatch:
     def num_seqs(self) -> int:
         return len(self.cu_seqlens) - 1
 
-    @property
+    @cached_property  # asked twice per engine step
     def max_seqlen(self) -> int:
         return int(np.diff(self.cu_seqlens).max(initial=0))
 

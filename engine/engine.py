@@ -64,7 +64,7 @@ class Engine:
         if device.type == "cuda":
             self.runner = GraphRunner(self.forward, self._make_attention, self.max_batch_tokens, config.max_seqs,
                                       self.max_length, device, config.cuda_graphs)
-            self.ring = PinnedRing(config.pinned_slots, config.max_seqs, self.dim)
+            self.ring = PinnedRing(config.pinned_slots, config.max_seqs, self.dim, self.runner.stream)
             if config.warmup and config.cuda_graphs:
                 with torch.inference_mode():
                     self.runner.capture_all(self.max_batch_tokens)

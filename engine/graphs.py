@@ -115,7 +115,11 @@ class GraphRunner:
         self.stats = GraphStats()
         size = 4 * bucket_for(max_tokens) + max_seqs + 1
         self.staging = [torch.empty(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.staging_host = [buffer.numpy() for buffer in self.staging]
         self.staged = [torch.cuda.Event() for _ in self.staging]
+        # Every batch runs on the stream current now; asking torch for it per batch built a Stream object
+        # each time, a tenth of the index loop's GIL time on the H200 host (bench/results/gpu-2026-11-30-run36-index-host).
+        self.stream = torch.cuda.current_stream(device)
         self.turn = 0
         self.inputs = torch.zeros(size, dtype=torch.int32, device=device)
         self.eager_attention = make_attention(None)
@@ -167,10 +171,10 @@ class GraphRunner:
         # The copy issued from this buffer two batches ago must be done before it is rewritten.
         staged.synchronize()
         size = 4 * tokens + slots + 1
-        host = staging.numpy()
+        host = self.staging_host[self.turn]
         batch.write_inputs(host, tokens, slots)
         self.inputs[:size].copy_(staging[:size], non_blocking=True)
-        staged.record()
+        staged.record(self.stream)
         return AttentionLayout(self.inputs[4 * tokens: size], host[4 * tokens: size].tolist(), max_seqlen, tokens)
 
     def _eager(self, batch: PackedBatch) -> torch.Tensor:

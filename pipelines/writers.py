@@ -354,8 +354,9 @@ class _ParquetFileStore:
 
     def finish(self, source: dict[str, str], prune: bool) -> int:
         survivors = _Survivors(source, prune)
-        for batch in self._written:  # the new rows come first and stay
-            survivors.mask(batch.column("id").to_pylist(), batch.column(CONTENT_KEY).to_pylist())
+        if self._stored[0]:  # old rows to sort out; the new rows come first and stay
+            for batch in self._written:
+                survivors.mask(batch.column("id").to_pylist(), batch.column(CONTENT_KEY).to_pylist())
         stays = survivors.mask(*self._stored)
         if self._old and not self._written and all(stays):  # nothing to change: leave the file as it is
             self.abort()

@@ -105,7 +105,7 @@ def index(
     eager: EagerOpt = False,
     fuse: CompileOpt = True,
     warmup: Annotated[bool, typer.Option(help="Capture every CUDA graph bucket before starting.")] = False,
-    tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize in N worker processes, 0 in this one (default: one per 4 cores when the model runs on a GPU and there are at least 8 cores, else 0).")] = None,
+    tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize in N worker processes, 0 in this one (default: one per 4 cores when the model runs on a GPU, there are at least 8 cores and SOURCE has 20,000 rows or an unknown count, else 0).")] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the run's summary as JSON to this file.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print settings and graph counters.")] = False,

@@ -217,7 +217,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
                            options.commit_rows)
         source: dict[str, str] = {}  # id -> content key of every row a fresh build would write
         selections = _select(_chain(first, chunks), options, report, _ContentKeys(settings), store.existing, source)
-        tokenized = flow.stage(_tokenize(selections, model, options))
+        tokenized = flow.stage(_tokenize(selections, model, options, reader.total_rows))
         if progress is not None:
             progress(0, 0, reader.total_rows)
         vector_type = schema.field("vector").type.value_type
@@ -298,7 +298,8 @@ def _select(chunks: Iterator[Chunk], options: IndexOptions, report: IndexReport,
             yield _Selection(chunk, rows, row_keys)
 
 
-def _tokenize(selections: Iterator[_Selection], model: IndexModel, options: IndexOptions) -> Iterator[_Tokenized]:
+def _tokenize(selections: Iterator[_Selection], model: IndexModel, options: IndexOptions,
+              total_rows: int | None) -> Iterator[_Tokenized]:
     """Each selection's rows tokenized, in order, with the pool's depth of chunks submitted ahead."""
     selections = iter(selections)
     first = next(selections, None)
@@ -306,7 +307,9 @@ def _tokenize(selections: Iterator[_Selection], model: IndexModel, options: Inde
         return
     tokenizer = model.tokenizer  # loaded here, at the first row to embed
     processes = options.tokenizer_processes
-    with TokenizerPool(tokenizer, default_processes(model.on_gpu()) if processes is None else processes) as pool:
+    if processes is None:
+        processes = default_processes(model.on_gpu(), total_rows)
+    with TokenizerPool(tokenizer, processes) as pool:
         pending: deque[tuple[_Selection, Future[Encoded]]] = deque()
         rest = _chain(first, selections)
         while True:

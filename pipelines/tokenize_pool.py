@@ -45,13 +45,20 @@ THREADS = 2
 THREADS_PER_PROCESS = 4
 # Fewer cores than this feed no GPU that outruns one process's tokenizer.
 MIN_CORES = 8
+# Fewer rows than this are done before workers pay for their start: MiniLM's index of 10,000 documents
+# took 0.64 s on threads and 0.83 s with four workers; of 60,000, 3.20 s and 2.38 s
+# (bench/results/gpu-2026-11-30-run37-index-loop).
+MIN_ROWS = 20_000
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
-def default_processes(on_gpu: bool, cores: int = CORES) -> int:
-    """Worker processes for a run that does not say: none for the CPU engine, which is slower than
-    one process's tokenizer and needs the cores itself; one per THREADS_PER_PROCESS cores beside a GPU."""
-    return cores // THREADS_PER_PROCESS if on_gpu and cores >= MIN_CORES else 0
+def default_processes(on_gpu: bool, rows: int | None = None, cores: int = CORES) -> int:
+    """Worker processes for a run that does not say: one per THREADS_PER_PROCESS cores beside a GPU;
+    none for the CPU engine, which is slower than one process's tokenizer and needs the cores
+    itself, nor for a run known to hold fewer than MIN_ROWS rows (rows=None: not known)."""
+    if not on_gpu or cores < MIN_CORES or (rows is not None and rows < MIN_ROWS):
+        return 0
+    return cores // THREADS_PER_PROCESS
 
 
 class TokenizerPool:

@@ -76,8 +76,9 @@ def test_close_stops_workers_still_starting_and_cancels_what_they_hold(tokenizer
     assert any(future.cancelled() for future in held)
 
 
-def test_processes_only_beside_a_gpu_on_enough_cores() -> None:
+def test_processes_only_beside_a_gpu_on_enough_cores_for_enough_rows() -> None:
     assert default_processes(on_gpu=True, cores=16) == 4
-    assert default_processes(on_gpu=True, cores=32) == 8
+    assert default_processes(on_gpu=True, rows=60_000, cores=32) == 8
+    assert default_processes(on_gpu=True, rows=10_000, cores=16) == 0
     assert default_processes(on_gpu=True, cores=4) == 0
     assert default_processes(on_gpu=False, cores=64) == 0

@@ -88,14 +88,13 @@ class TextTokenizer:
         self._normalize = ascii_normalizer(normalizer)
         self._no_normalizer = normalizer is None  # then every text's normal form is known, not only ASCII
         # Texts the normalizer would leave as they are go to a copy without it; pairs put together
-        # here (needing a pair template) tokenize their pieces with a copy that does not truncate either.
+        # here (needing a pair template) tokenize their pieces with a copy that does not truncate either
+        # (_bare_pieces, made on the first pairs: a copy costs a tenth of a second, which index never needs).
         self._pair_template = pair_template(_spec(self.tokenizer.post_processor))
-        self._bare = self._bare_pieces = None
+        self._bare = None
         if self._normalize is not None:
             self._bare = self.tokenizer if self._no_normalizer else _without_normalizer(self.tokenizer)
-        if self._normalize is not None and self._pair_template is not None and self._cuts:
-            self._bare_pieces = _without_normalizer(self.tokenizer)
-            self._bare_pieces.no_truncation()
+        self._pieces_work = self._normalize is not None and self._pair_template is not None and self._cuts
         # An added token is matched in the text before normalization (normalized=False) or after it, so
         # a text holding one in either form goes to the tokenizer whole; so does one holding a token's
         # normalized form, which the copy without a normalizer would match as written.
@@ -103,6 +102,12 @@ class TextTokenizer:
         normalize = self.tokenizer.normalizer.normalize_str if self.tokenizer.normalizer else str
         self._added_raw = _any_of(contents)
         self._added_normalized = _any_of(contents + [normalize(content) for content in contents])
+
+    @functools.cached_property
+    def _bare_pieces(self) -> Tokenizer:
+        pieces = _without_normalizer(self.tokenizer)
+        pieces.no_truncation()
+        return pieces
 
     def encode(self, texts: Sequence[str]) -> Encoded:
         """Token ids of each text, truncated at max_length, exactly as the tokenizer gives them."""
@@ -147,7 +152,7 @@ class TextTokenizer:
         normal_forms = {text: self._bare_text(text) for pair in pairs for text in pair}  # a query recurs per pair
         bare = [(normal_forms[a], normal_forms[b]) for a, b in pairs]
         bare = [pair if None not in pair else None for pair in bare]
-        in_pieces = len(pairs) < CORES and self._bare_pieces is not None
+        in_pieces = len(pairs) < CORES and self._pieces_work
         results = self._pairs_in_pieces(bare) if in_pieces else [None] * len(pairs)
         rest = [i for i, result in enumerate(results) if result is None]
         for rows, tokenizer, inputs in self._routes([bare[i] for i in rest], [pairs[i] for i in rest]):

@@ -311,8 +311,8 @@ class _Service:
 
     def stop(self) -> None:
         self.scheduler.close()
+        self.workers.close()  # first: it ends a warm-up still waiting in the pool for the workers
         self.pool.shutdown()
-        self.workers.close()
 
     async def warm_up(self) -> None:
         try:

@@ -111,6 +111,9 @@ class Engine:
     def step(self, batch: PackedBatch) -> LazyTensor:
         """Enqueue one batch; the LazyTensor resolves to float32 [batch.num_seqs, dim] in batch order.
 
+        On a GPU, call it on the CUDA stream that was current when the engine was built (any thread's
+        default stream): its copies and events are ordered on that stream.
+
         For an int8 model (vector_dtype "int8") the values are whole numbers in [-127, 127]: cast them
         with astype(np.int8), which is exact."""
         if batch.max_seqlen > self.max_length:

@@ -62,7 +62,7 @@ class PinnedRing:
         if previous is not None:
             previous.result()
         host = self.buffers[slot][:rows]
-        host.copy_(device_result[:rows], non_blocking=True)  # on the current stream, which is self.stream
+        host.copy_(device_result[:rows], non_blocking=True)  # on the current stream: Engine.step's rule makes it self.stream
         event = torch.cuda.Event()
         event.record(self.stream)
         self.owners[slot] = lazy = LazyTensor(host, event)

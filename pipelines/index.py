@@ -242,7 +242,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
 def _embed(model: IndexModel, items: Iterator[_Tokenized], flow: _Flow) -> None:
     """Pack rows first come, first served and send each batch's LazyTensor on to the writer thread.
 
-    The engine loads when the first rows to embed arrive, while the tokenizing threads work ahead."""
+    The engine loads when the first rows to embed arrive, while the tokenizer pool works ahead."""
     first = next(items, None)
     if first is None:
         return
@@ -319,17 +319,18 @@ def _tokenize(selections: Iterator[_Selection], model: IndexModel, options: Inde
                 break
             except Exception:
                 for earlier in pending:
-                    _tokenized(*earlier, tokenizer.max_length, options)  # a failure in rows before is the one to report
+                    _collected(*earlier, tokenizer.max_length, options)  # a failure in rows before is the one to report
                 raise
             pending.append((selection, pool.submit([options.prompt + selection.chunk.texts[row] for row in selection.rows])))
             while len(pending) >= pool.depth:
-                yield _tokenized(*pending.popleft(), tokenizer.max_length, options)
+                yield _collected(*pending.popleft(), tokenizer.max_length, options)
         while pending:
-            yield _tokenized(*pending.popleft(), tokenizer.max_length, options)
+            yield _collected(*pending.popleft(), tokenizer.max_length, options)
 
 
-def _tokenized(selection: _Selection, encoding: Future[Encoded], max_length: int, options: IndexOptions) -> _Tokenized:
-    chunk, rows, encoded = selection.chunk, selection.rows, encoding.result()
+def _collected(selection: _Selection, future: Future[Encoded], max_length: int, options: IndexOptions) -> _Tokenized:
+    """A selection's tokens once the pool has them; UserError for an over-long text when on_long is error."""
+    chunk, rows, encoded = selection.chunk, selection.rows, future.result()
     if options.on_long == "error" and any(encoded.truncated):
         row = rows[encoded.truncated.index(True)]
         raise UserError(f"{chunk.where(row)}: text is longer than the model's {max_length} "

@@ -94,7 +94,7 @@ class TextTokenizer:
         self._bare = None
         if self._normalize is not None:
             self._bare = self.tokenizer if self._no_normalizer else _without_normalizer(self.tokenizer)
-        self._pieces_work = self._normalize is not None and self._pair_template is not None and self._cuts
+        self._pieces_safe = self._normalize is not None and self._pair_template is not None and self._cuts
         # An added token is matched in the text before normalization (normalized=False) or after it, so
         # a text holding one in either form goes to the tokenizer whole; so does one holding a token's
         # normalized form, which the copy without a normalizer would match as written.
@@ -152,7 +152,7 @@ class TextTokenizer:
         normal_forms = {text: self._bare_text(text) for pair in pairs for text in pair}  # a query recurs per pair
         bare = [(normal_forms[a], normal_forms[b]) for a, b in pairs]
         bare = [pair if None not in pair else None for pair in bare]
-        in_pieces = len(pairs) < CORES and self._pieces_work
+        in_pieces = len(pairs) < CORES and self._pieces_safe
         results = self._pairs_in_pieces(bare) if in_pieces else [None] * len(pairs)
         rest = [i for i, result in enumerate(results) if result is None]
         for rows, tokenizer, inputs in self._routes([bare[i] for i in rest], [pairs[i] for i in rest]):

@@ -9,11 +9,12 @@ tokens/s and left the main process 0.05 CPU-seconds (bench/results/gpu-2026-11-3
 A worker is `python -m pipelines.tokenize_pool`, started with subprocess in a session of its own:
 multiprocessing's spawn would import the parent's main module first (torch, for a benchmark), and
 its executor waits at shutdown for workers still starting; a fork could inherit locks held by the
-parent's other threads. Chunks go down a worker's stdin and come back up its stdout, pickled, in
-order: ids as one flat int32 array with the lengths, three buffers rather than a thousand objects.
-A worker loads its own tokenizer, which takes a few tenths of a second; until every worker has,
-chunks go to two threads of this process, so a short run does not wait for them. Ctrl-C reaches
-the parent only; closing the pool kills the workers, which hold nothing worth waiting for.
+parent's other threads. Chunks go down a worker's stdin and come back, pickled and in order,
+through a pipe of their own: ids as one flat int32 array with the lengths, three buffers rather
+than a thousand objects. A worker loads its own tokenizer, which takes a few tenths of a second;
+until every worker has, chunks go to two threads of this process, so a short run does not wait for
+them. Ctrl-C reaches the parent only; closing the pool kills the workers, which hold nothing worth
+waiting for.
 
 Not here: the tokenization rules (pipelines.tokenize).
 """
@@ -23,12 +24,14 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import subprocess
 import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +52,7 @@ MIN_CORES = 8
 # took 0.64 s on threads and 0.83 s with four workers; of 60,000, 3.20 s and 2.38 s
 # (bench/results/gpu-2026-11-30-run37-index-loop).
 MIN_ROWS = 20_000
-_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the folder holding pipelines/ and engine/
 
 
 def default_processes(on_gpu: bool, rows: int | None = None, cores: int = CORES) -> int:
@@ -64,8 +67,9 @@ def default_processes(on_gpu: bool, rows: int | None = None, cores: int = CORES)
 class TokenizerPool:
     """submit(texts) is a future of tokenizer.encode(texts); callers keep the futures in their order.
 
-    With processes=0 every chunk runs on this process's threads. Use it as a context manager, or call
-    close(), which cancels the chunks not yet answered and stops the workers.
+    With processes=0 every chunk runs on this process's threads; so does every chunk after a worker
+    has died (a server keeps serving; the chunks that worker held fail with a UserError). Use it as
+    a context manager, or call close(), which cancels the chunks not yet answered and stops the workers.
     """
 
     def __init__(self, tokenizer: TextTokenizer, processes: int, cores: int = CORES) -> None:
@@ -73,18 +77,25 @@ class TokenizerPool:
             raise ValueError(f"processes must be 0 or more, not {processes}")
         self.tokenizer = tokenizer
         self.processes = processes
+        self._closed = False
         self._threads = ThreadPoolExecutor(THREADS, thread_name_prefix="embedctl-tokenize")
-        self._workers = [_Worker(tokenizer, max(1, cores // processes)) for _ in range(processes)]
+        self._workers: list[_Worker] = []
+        try:
+            for _ in range(processes):
+                self._workers.append(_Worker(tokenizer, max(1, cores // processes)))
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def in_workers(self) -> bool:
-        """Whether chunks go to the worker processes now: once every one has started."""
-        return bool(self._workers) and all(worker.started.is_set() for worker in self._workers)
+        """Whether chunks go to the worker processes now: once all have started, while none has died."""
+        return bool(self._workers) and all(worker.ready for worker in self._workers)
 
     def wait_for_workers(self) -> None:
         """Block until every worker has started (at once without any); UserError if one died instead."""
         for worker in self._workers:
-            worker.started.wait()
+            worker.settled.wait()
             if worker.failure is not None:
                 raise worker.failure
 
@@ -94,14 +105,18 @@ class TokenizerPool:
         return 2 * self.processes if self.in_workers else THREADS
 
     def submit(self, texts: Sequence[str]) -> Future[Encoded]:
+        if self._closed:
+            raise RuntimeError("the tokenizer pool is closed")
         if not self.in_workers:
             return self._threads.submit(self.tokenizer.encode, texts)
         return min(self._workers, key=lambda worker: len(worker.pending)).submit(list(texts))
 
     def close(self) -> None:
-        self._threads.shutdown(wait=True, cancel_futures=True)
-        for worker in self._workers:
-            worker.close()
+        self._closed = True
+        with ExitStack() as stack:  # the threads stop and every worker is closed, whatever one of them raises
+            stack.callback(self._threads.shutdown, wait=True, cancel_futures=True)
+            for worker in self._workers:
+                stack.callback(worker.close)
 
     def __enter__(self) -> TokenizerPool:
         return self
@@ -111,15 +126,25 @@ class TokenizerPool:
 
 
 class _Worker:
-    """One worker process, with a thread that writes its chunks and one that reads its answers."""
+    """One worker process: a thread writes its chunks to its stdin, another reads its answers from a pipe
+    of their own (so nothing the worker prints can garble them) and resolves the futures in order."""
 
     def __init__(self, tokenizer: TextTokenizer, threads: int) -> None:
-        path = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "pipelines.tokenize_pool", str(tokenizer.file), str(tokenizer.max_length)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-            env={**os.environ, "RAYON_NUM_THREADS": str(threads), "PYTHONPATH": path})
-        self.started = threading.Event()  # set once the worker has its tokenizer, or has died
+        answers, answers_for_worker = os.pipe()
+        try:
+            # Started in the package's own folder, so a folder named like ours where the user stands is not imported.
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "pipelines.tokenize_pool", str(tokenizer.file.resolve()), str(tokenizer.max_length),
+                 str(answers_for_worker)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=(answers_for_worker,), cwd=_PACKAGE_ROOT,
+                start_new_session=True, env={**os.environ, "RAYON_NUM_THREADS": str(threads)})
+        except BaseException:
+            os.close(answers)
+            raise
+        finally:
+            os.close(answers_for_worker)
+        self.answers = os.fdopen(answers, "rb")
+        self.settled = threading.Event()  # set once the worker has its tokenizer, or has died
         self.failure: UserError | None = None
         self.pending: deque[Future[Encoded]] = deque()  # submitted, not answered, in order
         self._lock = threading.Lock()
@@ -130,13 +155,17 @@ class _Worker:
         for thread in self._io:
             thread.start()
 
+    @property
+    def ready(self) -> bool:
+        return self.settled.is_set() and self.failure is None
+
     def submit(self, texts: list[str]) -> Future[Encoded]:
         result: Future[Encoded] = Future()
-        with self._lock:
+        with self._lock:  # the queue and the outbox in the same order, whichever thread submits
             if self.failure is not None:
                 raise self.failure
             self.pending.append(result)
-        self._outbox.put(texts)
+            self._outbox.put(texts)
         return result
 
     def close(self) -> None:
@@ -146,8 +175,9 @@ class _Worker:
         for thread in self._io:
             thread.join()
         self.process.wait()
-        self.process.stdin.close()
-        self.process.stdout.close()
+        with suppress(OSError):  # a chunk half written when the worker was killed
+            self.process.stdin.close()
+        self.answers.close()
 
     def _write(self) -> None:
         try:
@@ -159,28 +189,50 @@ class _Worker:
 
     def _read(self) -> None:
         try:
-            pickle.load(self.process.stdout)  # the worker's hello: its tokenizer is loaded
-            self.started.set()
+            pickle.load(self.answers)  # the worker's hello: its tokenizer is loaded
+            self.settled.set()
             while True:
-                flat, lengths, truncated = pickle.load(self.process.stdout)
+                answer = pickle.load(self.answers)
                 with self._lock:
                     result = self.pending.popleft()
-                ids = np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
-                result.set_result(Encoded(ids=ids, truncated=truncated.tolist()))
-        except (EOFError, OSError, pickle.UnpicklingError, ValueError):
+                if not result.set_running_or_notify_cancel():  # its caller gave up on it
+                    continue
+                if isinstance(answer, BaseException):
+                    result.set_exception(answer)
+                else:
+                    result.set_result(_unpack(*answer))
+        except Exception:  # noqa: BLE001 - the pipe ended or garbled: the worker is of no more use
             pass
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        """Fail (or, closing, cancel) what the worker still held; after a death, say why from now on."""
+        failure = None
+        if not self._closing:
+            self.process.kill()  # a worker whose answers cannot be read may still be alive
+            failure = UserError(_death(self.process.wait()))
         with self._lock:
-            if not self._closing:
-                self.failure = UserError(f"a tokenizer process died (exit code {self.process.wait()}); free some "
-                                         "memory and run again, or pass --tokenizer-processes 0 to tokenize in the "
-                                         "main process")
+            self.failure = failure
             unanswered, self.pending = list(self.pending), deque()
-        self.started.set()
+        self.settled.set()
         for result in unanswered:
-            if self.failure is None:
+            if failure is None:
                 result.cancel()
-            else:
-                result.set_exception(self.failure)
+            elif result.set_running_or_notify_cancel():
+                result.set_exception(failure)
+
+
+def _death(code: int) -> str:
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    hint = " (out of memory?)" if code == -signal.SIGKILL else ""
+    return (f"a tokenizer process {how}{hint}; run again, or pass --tokenizer-processes 0 to tokenize "
+            "in the main process")
+
+
+def _unpack(flat: np.ndarray, lengths: np.ndarray, truncated: np.ndarray) -> Encoded:
+    ids = np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
+    return Encoded(ids=ids, truncated=truncated.tolist())
 
 
 def _encode(tokenizer: TextTokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -190,10 +242,12 @@ def _encode(tokenizer: TextTokenizer, texts: list[str]) -> tuple[np.ndarray, np.
     return flat, lengths, np.asarray(encoded.truncated, dtype=bool)
 
 
-def _serve(tokenizer_file: str, max_length: str) -> None:
-    """A worker's life: say hello once the tokenizer is loaded, then answer each chunk until stdin ends."""
-    answers = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # a stray print must not land in the answers
+def _serve(tokenizer_file: str, max_length: str, answers_fd: str) -> None:
+    """A worker's life: say hello once the tokenizer is loaded, then answer each chunk until stdin ends.
+
+    A chunk the tokenizer fails on is answered with the exception, which the caller's future raises
+    as it would have in the caller's own process."""
+    answers = os.fdopen(int(answers_fd), "wb")
     requests = sys.stdin.buffer
     tokenizer = TextTokenizer(Path(tokenizer_file), int(max_length))
     pickle.dump(None, answers)
@@ -203,7 +257,15 @@ def _serve(tokenizer_file: str, max_length: str) -> None:
             texts = pickle.load(requests)
         except EOFError:
             return
-        pickle.dump(_encode(tokenizer, texts), answers, pickle.HIGHEST_PROTOCOL)
+        try:
+            answer: object = _encode(tokenizer, texts)
+        except Exception as error:  # noqa: BLE001 - handed to the caller
+            answer = error
+        try:
+            payload = pickle.dumps(answer, pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - an exception that does not pickle still gets its message across
+            payload = pickle.dumps(RuntimeError(repr(answer)))
+        answers.write(payload)
         answers.flush()
 
 

@@ -241,7 +241,7 @@ def test_pairs_put_together_from_pieces_give_the_whole_pairs_tokens(tokenizers_d
     pairs = list(zip(queries, docs))
     expected = whole_tokenizer(path, max_length).encode_batch_fast([(a.strip(), b.strip()) for a, b in pairs])
     tokenizer = TextTokenizer(path, max_length)
-    assert tokenizer._bare_pieces is not None  # the copy for pieces, made from the real tokenizer before it is wrapped
+    tokenizer._bare_pieces  # noqa: B018 - makes the copy for pieces from the real tokenizer, before it is wrapped below
     # Whole pairs go to the tokenizer, or to its copy without the normalizer when they are ASCII.
     whole = tokenizer.tokenizer, tokenizer._bare = CountingTokenizer(tokenizer.tokenizer), CountingTokenizer(tokenizer._bare)
 

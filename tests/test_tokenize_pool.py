@@ -49,17 +49,44 @@ def test_chunks_submitted_before_the_workers_start_run_on_threads(tokenizer: Tex
         assert_same(pool.submit(TEXTS).result(), tokenizer.encode(TEXTS))
 
 
-def test_a_worker_that_dies_is_a_one_line_error(tokenizer: TextTokenizer) -> None:
+def test_a_worker_that_dies_fails_what_it_held_and_threads_take_over(tokenizer: TextTokenizer) -> None:
     before = child_processes()
     with TokenizerPool(tokenizer, processes=1) as pool:
         pool.wait_for_workers()
-        answered = pool.submit(TEXTS)
-        assert_same(answered.result(timeout=60), tokenizer.encode(TEXTS))
+        assert_same(pool.submit(TEXTS).result(timeout=60), tokenizer.encode(TEXTS))
+        held = pool.submit(TEXTS * 500)
         [worker] = child_processes() - before
         os.kill(worker, signal.SIGKILL)
-        with pytest.raises(UserError, match=r"a tokenizer process died \(exit code -9\).*--tokenizer-processes 0"):
-            pool.submit(TEXTS).result(timeout=60)  # whether it died before this was sent or after
+        with pytest.raises(UserError, match=r"a tokenizer process was killed by signal 9 \(out of memory\?\); "
+                                            r"run again, or pass --tokenizer-processes 0"):
+            held.result(timeout=60)
+        assert not pool.in_workers
+        assert_same(pool.submit(TEXTS).result(timeout=60), tokenizer.encode(TEXTS))  # on this process's threads
     assert child_processes() == before
+
+
+def test_an_error_in_a_worker_is_the_error_this_process_would_raise(tokenizer: TextTokenizer) -> None:
+    bad = ["fine", "a lone surrogate \ud800 here"]
+    with pytest.raises(TypeError) as in_process:
+        tokenizer.encode(bad)
+    with TokenizerPool(tokenizer, processes=1) as pool:
+        pool.wait_for_workers()
+        with pytest.raises(TypeError) as in_worker:
+            pool.submit(bad).result(timeout=60)
+        assert str(in_worker.value) == str(in_process.value)
+        assert pool.in_workers  # the worker goes on
+        assert_same(pool.submit(TEXTS).result(timeout=60), tokenizer.encode(TEXTS))
+
+
+def test_a_cancelled_chunk_leaves_the_worker_serving(tokenizer: TextTokenizer) -> None:
+    """asyncio.wrap_future cancels the pool's future when a request is cancelled; the answer that
+    comes later must not stop the worker's reader."""
+    with TokenizerPool(tokenizer, processes=1) as pool:
+        pool.wait_for_workers()
+        given_up = pool.submit(TEXTS * 50)
+        assert given_up.cancel()
+        assert_same(pool.submit(TEXTS).result(timeout=60), tokenizer.encode(TEXTS))
+        assert given_up.cancelled() and pool.in_workers
 
 
 def test_close_stops_workers_still_starting_and_cancels_what_they_hold(tokenizer: TextTokenizer) -> None:

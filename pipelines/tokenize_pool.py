@@ -258,15 +258,17 @@ def _serve(tokenizer_file: str, max_length: str, answers_fd: str) -> None:
         except EOFError:
             return
         try:
-            answer: object = _encode(tokenizer, texts)
+            pickle.dump(_encode(tokenizer, texts), answers, pickle.HIGHEST_PROTOCOL)
         except Exception as error:  # noqa: BLE001 - handed to the caller
-            answer = error
-        try:
-            payload = pickle.dumps(answer, pickle.HIGHEST_PROTOCOL)
-        except Exception:  # noqa: BLE001 - an exception that does not pickle still gets its message across
-            payload = pickle.dumps(RuntimeError(repr(answer)))
-        answers.write(payload)
+            answers.write(_pickled_error(error))
         answers.flush()
+
+
+def _pickled_error(error: Exception) -> bytes:
+    try:
+        return pickle.dumps(error, pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - an exception that does not pickle still gets its message across
+        return pickle.dumps(RuntimeError(repr(error)), pickle.HIGHEST_PROTOCOL)
 
 
 if __name__ == "__main__":

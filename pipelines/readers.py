@@ -209,6 +209,9 @@ class CorpusReader:
             raise UserError(f"{where}: invalid JSON ({e.msg}); fix or remove that line") from None
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected a JSON object, got {_kind(row)}; put one object per line")
+        if b"\\u" in raw and not _valid_unicode(row):  # only a \u escape can make a lone surrogate
+            raise UserError(f"{where}: holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not "
+                            "valid Unicode and no tokenizer or table takes; fix or remove that escape")
         if self.text_col not in row:
             keys = ", ".join(row) or "none"
             raise UserError(
@@ -338,6 +341,14 @@ def _unreadable_parquet(f: _File, e: Exception) -> UserError:
 
 def _as_text(value: object) -> str | None:
     return value if value is None or isinstance(value, str) else json.dumps(value)
+
+
+def _valid_unicode(row: dict) -> bool:
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _kind(value: object) -> str:

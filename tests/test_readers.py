@@ -338,6 +338,16 @@ def test_jsonl_not_utf8(tmp_path):
     assert f"{tmp_path}/a.jsonl line 2: not valid UTF-8" in error(path=str(tmp_path))
 
 
+def test_jsonl_lone_surrogate_names_the_line_and_a_pair_is_fine(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", ['{"text": "an emoji \\ud83d\\ude00 is a pair"}', '{"text": "bad \\ud800 here"}'])
+    assert f"{tmp_path}/a.jsonl line 2: holds a lone surrogate" in error(path=str(tmp_path))
+    write_jsonl(tmp_path / "a.jsonl", ['{"text": "fine", "id": "\\udfff"}'])
+    assert f"{tmp_path}/a.jsonl line 1: holds a lone surrogate" in error(path=str(tmp_path))
+    write_jsonl(tmp_path / "a.jsonl", ['{"text": "an emoji \\ud83d\\ude00 is a pair"}'])
+    [chunk] = list(CorpusReader(str(tmp_path), "text", "id"))
+    assert chunk.texts == ["an emoji \U0001F600 is a pair"]
+
+
 def test_jsonl_gz_that_is_cut_short(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl.gz", [{"text": f"row {i}"} for i in range(2000)], gz=True)
     path.write_bytes(path.read_bytes()[:-50])

@@ -160,6 +160,7 @@ def index(
         if report is not None:
             _write_report(report, result.to_json())
 
+    _check_paths(report, [source], out)
     _guarded(run, report)
 
 
@@ -217,6 +218,7 @@ def score(
         if report is not None:
             _write_report(report, json.dumps({**ranking.to_dict(), "metrics": metrics.to_dict() if metrics else None}, indent=2))
 
+    _check_paths(report, [path for path in (queries, docs, index, qrels) if path], out)
     _guarded(run, report)
 
 
@@ -308,6 +310,33 @@ def _fail(message: str, report: Path | None) -> None:
         except UserError:
             pass  # the error line above is the message that matters; the report cannot add to it
     raise typer.Exit(EXIT_USER_ERROR)
+
+
+def _check_paths(report: Path | None, inputs: list[str], out: str | None) -> None:
+    """Before anything is read or written, refuse (one error line, no report written) an output that is,
+    holds or lies inside an input, and a --report that is or lies inside any of them."""
+    there = _local(out) if out is not None else None
+    for source in inputs:
+        here = _local(source)
+        if here is not None and there is not None and (_within(here, there) or _within(there, here)):
+            _fail(f"--out {out} and the input {source} overlap, so the output would overwrite or be read as "
+                  "input; write the output outside the input", None)
+    if report is not None:
+        for path in (*inputs, *([out] if out is not None else [])):
+            if (local := _local(path)) is not None and _within(os.path.realpath(report), local):
+                _fail(f"--report {report} would overwrite {path}, which this run reads or writes; give the report "
+                      "a path of its own", None)
+
+
+def _local(path: str) -> str | None:
+    """The real path of a local path or file:// URL; None for a remote URL."""
+    if "://" in path and not path.startswith("file://"):
+        return None
+    return os.path.realpath(path.removeprefix("file://").rstrip("/") or ".")
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def _check_report_path(report: Path | None) -> None:

@@ -70,6 +70,9 @@ class IndexOptions:
     tokenizer_processes: int | None = None  # worker processes that tokenize; None: default_processes
 
     def __post_init__(self) -> None:
+        if self.table is not None and (self.out.rstrip("/").endswith(".parquet") or self.out.endswith("/")):
+            raise UserError(f"--table {self.table} names a table of a LanceDB database, and {self.out} is a Parquet "
+                            "output; drop --table, or give --out a LanceDB directory or URI")
         if self.tokenizer_processes is not None and self.tokenizer_processes < 0:
             raise UserError(f"--tokenizer-processes {self.tokenizer_processes}: give 0 (tokenize in the main process) "
                             "or a number of worker processes")

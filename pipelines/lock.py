@@ -31,9 +31,13 @@ def hold_lock(path: str | None, shown: str) -> Iterator[None]:
         yield
         return
     parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    fd = _acquire(path, shown)
+    try:
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        fd = _acquire(path, shown)
+    except OSError as error:
+        raise UserError(f"cannot write beside {shown} ({error.strerror}: {error.filename}); check that folder's "
+                        "permissions, or pick another output") from None
     try:
         os.ftruncate(fd, 0)
         holder = {"pid": os.getpid(), "host": socket.gethostname(),

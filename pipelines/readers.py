@@ -160,7 +160,11 @@ class CorpusReader:
                     f"{f.shown} row {bad}: {self.id_col} is null; give every row an id, "
                     "or pass --id-col naming a column the file lacks to number rows instead"
                 )
-            ids = id_array.cast(pa.string()).to_pylist()
+            try:
+                ids = id_array.cast(pa.string()).to_pylist()
+            except pa.ArrowInvalid as error:
+                raise UserError(f"{f.shown}: {self.id_col} does not read as text ({short_reason(error)}); "
+                                "store ids as UTF-8 strings or numbers") from None
         else:
             ids = [f"{f.rel}:{n}" for n in lines]
         kept = None

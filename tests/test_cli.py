@@ -195,6 +195,57 @@ def test_bad_input_is_one_line_and_changes_nothing(bad_runs: dict[str, BadRun], 
     assert after == run.before  # no temporary files either
 
 
+# Paths and options refused before anything is read or written; these write no report either, since
+# the report path may be the very file to protect.
+
+def _rebuild_onto_its_source(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs" / "a.jsonl", good_rows("a"))
+    return ["docs", "--out", "docs/", "--rebuild"], ["--out docs/ and the input docs overlap", "outside the input"]
+
+
+def _output_inside_its_source(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs" / "a.jsonl", good_rows("a"))
+    return ["docs", "--out", "docs/vectors.parquet"], ["overlap"]
+
+
+def _report_onto_the_output(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    pq.write_table(pa.table({"id": ["old"]}), tmp / "x.parquet")
+    return ["docs.jsonl", "--out", "x.parquet", "--report", "x.parquet"], ["--report x.parquet would overwrite x.parquet"]
+
+
+def _table_with_parquet(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--out", "x.parquet", "--table", "t"], ["--table t", "drop --table"]
+
+
+def _unknown_device(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--out", "x.lance", "--device", "tpu"], ["--device tpu", "cpu, cuda or cuda:N"]
+
+
+def _output_under_a_file(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    (tmp / "plain").write_text("a file, not a folder")
+    return ["docs.jsonl", "--out", "plain/x.lance"], ["cannot write beside plain/x.lance", "pick another output"]
+
+
+REFUSED = [_rebuild_onto_its_source, _output_inside_its_source, _report_onto_the_output, _table_with_parquet,
+           _unknown_device, _output_under_a_file]
+
+
+def test_overlapping_paths_and_impossible_options_are_one_line_and_change_nothing(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    cases = []
+    for case in REFUSED:
+        tmp = tmp_path_factory.mktemp(case.__name__.strip("_"))
+        args, phrases = case(tmp)
+        cases.append((tmp, snapshot(tmp), phrases, args))
+    for (tmp, before, phrases, _), result in zip(cases, run_side_by_side([(args, tmp) for *_, args in cases])):
+        assert_one_error_line(result, *phrases)
+        assert snapshot(tmp) == before
+
+
 # The happy path: sample_data/corpus (a Parquet and a JSONL shard) plus a shard of empty texts.
 
 EMPTY_SHARD = [{"id": "e1", "text": "", "source": "x"}, {"id": "e2", "text": None, "source": "x"},

@@ -299,6 +299,11 @@ def test_parquet_null_id_names_the_row(tmp_path):
     assert f"{tmp_path}/a.parquet row 3: id is null" in error(path=str(tmp_path), chunk_rows=2)
 
 
+def test_parquet_binary_ids_that_are_not_utf8(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"id": pa.array([b"\xff\xfe", b"b"], pa.binary()), "text": ["x", "y"]})
+    assert "a.parquet: id does not read as text" in error(path=str(tmp_path))
+
+
 def test_jsonl_invalid_json_names_file_and_line(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [{"text": "ok"}, "", '{"text": "missing comma" "id": 1}'])
     message = error(path=str(tmp_path))

@@ -165,6 +165,9 @@ class CorpusReader:
             except pa.ArrowInvalid as error:
                 raise UserError(f"{f.shown}: {self.id_col} does not read as text ({short_reason(error)}); "
                                 "store ids as UTF-8 strings or numbers") from None
+            if "" in ids:
+                raise UserError(f"{f.shown} row {lines[ids.index('')]}: {self.id_col} is empty; give every row an id, "
+                                "or pass --id-col naming a column the file lacks to number rows instead")
         else:
             ids = [f"{f.rel}:{n}" for n in lines]
         kept = None
@@ -234,6 +237,9 @@ class CorpusReader:
         if self.id_col not in row:
             return f"{f.rel}:{number}"
         value = row[self.id_col]
+        if value == "":
+            raise UserError(f"{f.shown} line {number}: {self.id_col} is empty; give every line an id, "
+                            "or pass --id-col naming a key the file lacks to number lines instead")
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)):

@@ -205,6 +205,10 @@ class _LanceStore:
             return self._db.open_table(name)
         except ValueError:  # Lance's "table not found"; a directory left by a killed create counts as absent
             return None
+        except RuntimeError as error:  # something else is there: a plain file, a folder Lance cannot read
+            reason = short_reason(error).split(", /")[0]  # Lance appends the Rust source file's path
+            raise UserError(f"cannot open {self._shown} as a LanceDB table ({reason}); remove what is "
+                            "there or pick another --out") from None
 
     def write(self, batch: pa.RecordBatch) -> None:
         for group in self._groups.add(batch):

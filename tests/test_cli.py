@@ -230,7 +230,13 @@ def _output_under_a_file(tmp: Path) -> tuple[list, list[str]]:
     return ["docs.jsonl", "--out", "plain/x.lance"], ["cannot write beside plain/x.lance", "pick another output"]
 
 
-REFUSED = [_rebuild_onto_its_source, _output_inside_its_source, _report_onto_the_output, _table_with_parquet,
+def _lance_output_that_is_a_file(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    (tmp / "x.lance").write_text("a file where the table would be")
+    return ["docs.jsonl", "--out", "x.lance"], ["cannot open x.lance as a LanceDB table", "pick another --out"]
+
+
+REFUSED = [_lance_output_that_is_a_file, _rebuild_onto_its_source, _output_inside_its_source, _report_onto_the_output, _table_with_parquet,
            _unknown_device, _output_under_a_file]
 
 
@@ -241,7 +247,7 @@ def test_overlapping_paths_and_impossible_options_are_one_line_and_change_nothin
         tmp = tmp_path_factory.mktemp(case.__name__.strip("_"))
         args, phrases = case(tmp)
         cases.append((tmp, snapshot(tmp), phrases, args))
-    for (tmp, before, phrases, _), result in zip(cases, run_side_by_side([(args, tmp) for *_, args in cases])):
+    for (tmp, before, phrases, _), result in zip(cases, run_side_by_side([(args, tmp) for tmp, _, _, args in cases])):
         assert_one_error_line(result, *phrases)
         assert snapshot(tmp) == before
 

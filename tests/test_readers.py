@@ -299,6 +299,13 @@ def test_parquet_null_id_names_the_row(tmp_path):
     assert f"{tmp_path}/a.parquet row 3: id is null" in error(path=str(tmp_path), chunk_rows=2)
 
 
+def test_empty_ids_name_the_row(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"id": ["a", "", "c"], "text": ["x", "y", "z"]})
+    assert f"{tmp_path}/a.parquet row 2: id is empty" in error(path=str(tmp_path / "a.parquet"))
+    write_jsonl(tmp_path / "b.jsonl", [{"id": "a", "text": "x"}, {"id": "", "text": "y"}])
+    assert f"{tmp_path}/b.jsonl line 2: id is empty" in error(path=str(tmp_path / "b.jsonl"))
+
+
 def test_parquet_binary_ids_that_are_not_utf8(tmp_path):
     write_parquet(tmp_path / "a.parquet", {"id": pa.array([b"\xff\xfe", b"b"], pa.binary()), "text": ["x", "y"]})
     assert "a.parquet: id does not read as text" in error(path=str(tmp_path))

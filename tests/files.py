@@ -42,4 +42,10 @@ def assert_one_error_line(result: subprocess.CompletedProcess, *phrases: str) ->
 def child_processes() -> set[int]:
     """The process ids of this process's children (a pipeline's worker processes, say; torch.compile
     keeps workers of its own, so compare with the set from before)."""
-    return {int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()}
+    children = set()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            children.update(int(pid) for pid in (task / "children").read_text().split())
+        except FileNotFoundError:  # a thread that ended while we looked
+            pass
+    return children

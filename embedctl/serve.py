@@ -57,7 +57,7 @@ from engine.batch import PackedBatch
 from engine.errors import short_reason
 from engine.scheduler import QueueFull, Scheduler, SchedulerClosed
 from pipelines.tokenize import Encoded, TextTokenizer
-from pipelines.tokenize_pool import TokenizerPool, default_processes
+from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
 
 log = logging.getLogger("embedctl.serve")
 
@@ -110,9 +110,7 @@ class ServeOptions:
     tokenizer_processes: int | None = None  # None: default_processes
 
     def __post_init__(self) -> None:
-        if self.tokenizer_processes is not None and self.tokenizer_processes < 0:
-            raise UserError(f"--tokenizer-processes {self.tokenizer_processes}: give 0 (tokenize in the server "
-                            "process) or a number of worker processes")
+        check_processes(self.tokenizer_processes)
 
 
 class ApiError(HTTPException):

@@ -41,7 +41,7 @@ from engine.errors import UserError
 from pipelines.lock import hold_lock
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
-from pipelines.tokenize_pool import TokenizerPool, default_processes
+from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
 from pipelines.writers import VectorStore, lock_file, open_store, output_schema
 
 if TYPE_CHECKING:
@@ -73,9 +73,7 @@ class IndexOptions:
         if self.table is not None and (self.out.rstrip("/").endswith(".parquet") or self.out.endswith("/")):
             raise UserError(f"--table {self.table} names a table of a LanceDB database, and {self.out} is a Parquet "
                             "output; drop --table, or give --out a LanceDB directory or URI")
-        if self.tokenizer_processes is not None and self.tokenizer_processes < 0:
-            raise UserError(f"--tokenizer-processes {self.tokenizer_processes}: give 0 (tokenize in the main process) "
-                            "or a number of worker processes")
+        check_processes(self.tokenizer_processes)
 
 
 @dataclass

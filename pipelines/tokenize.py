@@ -94,7 +94,7 @@ class TextTokenizer:
         self._bare = None
         if self._normalize is not None:
             self._bare = self.tokenizer if self._no_normalizer else _without_normalizer(self.tokenizer)
-        self._pieces_safe = self._normalize is not None and self._pair_template is not None and self._cuts
+        self._pieces_safe = self._normalize is not None and self._pair_template is not None and bool(self._cuts)
         # An added token is matched in the text before normalization (normalized=False) or after it, so
         # a text holding one in either form goes to the tokenizer whole; so does one holding a token's
         # normalized form, which the copy without a normalizer would match as written.

@@ -64,6 +64,13 @@ def default_processes(on_gpu: bool, rows: int | None = None, cores: int = CORES)
     return cores // THREADS_PER_PROCESS
 
 
+def check_processes(processes: int | None) -> None:
+    """UserError for a --tokenizer-processes no pool can have; None (the default) is fine."""
+    if processes is not None and processes < 0:
+        raise UserError(f"--tokenizer-processes {processes}: give 0 (tokenize without worker processes) "
+                        "or a number of worker processes")
+
+
 class TokenizerPool:
     """submit(texts) is a future of tokenizer.encode(texts); callers keep the futures in their order.
 

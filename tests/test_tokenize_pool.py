@@ -9,7 +9,7 @@ import pytest
 
 from engine import UserError
 from pipelines.tokenize import TextTokenizer
-from pipelines.tokenize_pool import TokenizerPool, default_processes
+from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
 from tests.files import child_processes
 from tests.models import minilm_path
 
@@ -101,6 +101,13 @@ def test_close_stops_workers_still_starting_and_cancels_what_they_hold(tokenizer
     assert child_processes() == before
     assert all(future.done() for future in held)
     assert any(future.cancelled() for future in held)
+
+
+def test_a_negative_count_is_refused_with_the_flag_named() -> None:
+    with pytest.raises(UserError, match=r"--tokenizer-processes -1: give 0"):
+        check_processes(-1)
+    check_processes(None)
+    check_processes(0)
 
 
 def test_processes_only_beside_a_gpu_on_enough_cores_for_enough_rows() -> None:

@@ -55,15 +55,16 @@ def main() -> None:
                      "torch": torch.__version__, "docs": len(texts), "models": {}}
     scratch = Path(tempfile.mkdtemp(prefix="embedctl-bench-"))
     for name, path in model_dirs(args, scratch).items():
-        for backend in args.attention:
-            label = f"{name} ({backend})"
+        for backend, lanes in [(backend, lanes) for backend in args.attention for lanes in args.lanes]:
+            label = f"{name} ({backend})" if len(args.lanes) == 1 else f"{name} ({backend}, {lanes} lanes)"
             try:
-                engine = load(path, backend)
+                engine = load(path, backend, lanes=lanes)
             except Exception as error:  # noqa: BLE001 - a backend that cannot run this model is reported, not fatal
                 results["models"][label] = {"skipped": str(error)}
                 continue
             print(f"== {label}: attention {engine.attention}, dtype {engine.dtype}", flush=True)
-            results["models"][label] = run_suites(args, engine, path, texts, scratch, peers=args.peers and backend == args.attention[0])
+            first = backend == args.attention[0] and lanes == args.lanes[0]
+            results["models"][label] = run_suites(args, engine, path, texts, scratch, peers=args.peers and first)
             del engine
             torch.cuda.empty_cache() if device == "cuda" else None
             (args.out / "results.json").write_text(json.dumps(results, indent=2))
@@ -80,6 +81,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--docs", type=int, default=10_000)
     parser.add_argument("--models", default="minilm,bert-base")
     parser.add_argument("--attention", default="auto", help="comma-separated backends to compare")
+    parser.add_argument("--lanes", default=str(EngineConfig.lanes), help="comma-separated lane counts to compare")
     parser.add_argument("--suites", default="latency,throughput,saturation,graphs,profile")
     parser.add_argument("--repeats", type=int, default=300, help="timed calls per latency point")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -88,6 +90,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.models = args.models.split(",")
     args.attention = args.attention.split(",")
+    args.lanes = [int(lanes) for lanes in args.lanes.split(",")]
     args.suites = set(args.suites.split(","))
     if args.smoke:
         args.docs, args.repeats = min(args.docs, 40), 3
@@ -140,8 +143,8 @@ def run_suites(args: argparse.Namespace, engine: Engine, path: Path, texts: list
 def latency_suite(args, engine: Engine, path: Path, tokenizer: TextTokenizer, st, hf) -> dict:
     from embedctl.api import Embedder
 
-    eager = load(path, engine.attention, cuda_graphs=False)
-    uncompiled = load(path, engine.attention, compile=False)
+    eager = load(path, engine.attention, cuda_graphs=False, lanes=engine.config.lanes)
+    uncompiled = load(path, engine.attention, compile=False, lanes=engine.config.lanes)
     as_text = Embedder(engine)
     suite = {}
     for tokens in LATENCY_TOKENS:
@@ -192,7 +195,8 @@ def throughput_suite(engine: Engine, tokenizer: TextTokenizer, texts: list[str],
     tokens = sum(map(len, ids))
     rate = lambda seconds: tokens / seconds  # noqa: E731 - one formula for every row
     suite = {"ours_model_first_pass": rate(timed(lambda: engine.embed(ids)))}  # includes lazy captures
-    suite["ours_model"] = rate(timed(lambda: engine.embed(ids)))
+    # The best of two more passes: a shape first seen in the last pass's last batch is captured in the next one.
+    suite["ours_model"] = rate(min(timed(lambda: engine.embed(ids)) for _ in range(2)))
     source = scratch / "corpus.parquet"
     pq.write_table(pa.table({"id": [str(i) for i in range(len(texts))], "text": texts}), source)
     options = IndexOptions(source=str(source), out=str(scratch / "ours.parquet"), rebuild=True)
@@ -263,16 +267,16 @@ def saturation_suite(engine: Engine, ids: list[np.ndarray], smoke: bool) -> dict
         if tokens > engine.max_batch_tokens:
             break
         batch = batch_of(ids, tokens)
-        for _ in range(3):  # eager, capture, replay
-            engine.step(batch).result()
+        for _ in range(2):  # eager, then a capture on each lane: batches in flight alternate lanes
+            [engine.step(batch) for _ in range(4)][-1].result()
         steps = 3 if smoke else max(20, 400_000 // tokens)
         seconds = timed(lambda: [engine.step(batch) for _ in range(steps)][-1].result())
         suite[tokens] = tokens * steps / seconds
     if not smoke:
-        uncompiled = load(engine.files.path, engine.attention, compile=False)
+        uncompiled = load(engine.files.path, engine.attention, compile=False, lanes=engine.config.lanes)
         batch = batch_of(ids, engine.max_batch_tokens)
-        for _ in range(3):
-            uncompiled.step(batch).result()
+        for _ in range(2):
+            [uncompiled.step(batch) for _ in range(4)][-1].result()
         steps = 40
         seconds = timed(lambda: [uncompiled.step(batch) for _ in range(steps)][-1].result())
         suite[f"{batch.num_tokens}_uncompiled"] = batch.num_tokens * steps / seconds
@@ -281,7 +285,7 @@ def saturation_suite(engine: Engine, ids: list[np.ndarray], smoke: bool) -> dict
 
 
 def graphs_suite(args, engine: Engine, path: Path) -> dict:
-    eager = load(path, engine.attention, cuda_graphs=False)
+    eager = load(path, engine.attention, cuda_graphs=False, lanes=engine.config.lanes)
     rng = np.random.default_rng(0)
     suite = {}
     for seqs, length in GRAPH_BATCHES:

@@ -137,8 +137,8 @@ class FlashInferAttention:
     In graph mode the wrapper owns fixed index buffers, so one instance serves one graph shape;
     unused slots are zero-length sequences. FlashInfer insists that the last offset equals the
     length of q, so one extra sequence always covers the bucket's padding tokens (empty when there
-    are none); their rows are discarded by pooling. Instances share one scratch workspace: they run
-    one after another on one stream.
+    are none); their rows are discarded by pooling. The instances of one lane (engine.graphs) share
+    one scratch workspace: they run one after another on the lane's stream.
     A plan lives in its wrapper's own index buffers and integer workspace (the shared workspace
     only holds each run's temporaries), so a batch laid out exactly like the one this instance
     planned last reuses that plan: a repeated query, or pairs all cut at max_length, skip the

@@ -38,6 +38,7 @@ class EngineConfig:
     dim: keep the first `dim` components (Matryoshka), then re-normalise if normalising.
     max_length: truncate inputs to this many tokens; None follows the model's config.
     pinned_slots: page-locked host buffers in the readback ring (batches in flight).
+    lanes: CUDA streams that batches in flight run on at once (GPU only; engine.graphs says why).
     """
 
     device: str | None = None
@@ -52,6 +53,7 @@ class EngineConfig:
     dim: int | None = None
     max_length: int | None = None
     pinned_slots: int = 4
+    lanes: int = 2
 
     def __post_init__(self) -> None:
         if self.dtype is not None and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:
@@ -71,6 +73,8 @@ class EngineConfig:
             raise UserError(GPU_FP32)
         if self.pinned_slots < 2:
             raise UserError("pinned_slots must be at least 2 so one batch can be read back while the next runs")
+        if self.lanes < 1:
+            raise UserError(f"lanes must be at least 1, not {self.lanes}")
 
     def torch_device(self) -> torch.device:
         import torch

@@ -60,11 +60,11 @@ class Engine:
         self.attention = choose_backend(config.attention, device, model.head_dim)
         self.prune = prunes_last_layer(self.pooling, model.causal)
         self.runner: GraphRunner | None = None
-        self._flashinfer_workspace: torch.Tensor | None = None
+        self._flashinfer_workspaces: dict[int, torch.Tensor] = {}  # per lane: batches on two lanes run at once
         if device.type == "cuda":
             self.runner = GraphRunner(self.forward, self._make_attention, self.max_batch_tokens, config.max_seqs,
-                                      self.max_length, device, config.cuda_graphs)
-            self.ring = PinnedRing(config.pinned_slots, config.max_seqs, self.dim, self.runner.stream)
+                                      self.max_length, device, config.cuda_graphs, config.lanes)
+            self.ring = PinnedRing(config.pinned_slots, config.max_seqs, self.dim)
             if config.warmup and config.cuda_graphs:
                 with torch.inference_mode():
                     self.runner.capture_all(self.max_batch_tokens)
@@ -111,8 +111,8 @@ class Engine:
     def step(self, batch: PackedBatch) -> LazyTensor:
         """Enqueue one batch; the LazyTensor resolves to float32 [batch.num_seqs, dim] in batch order.
 
-        On a GPU, call it on the CUDA stream that was current when the engine was built (any thread's
-        default stream): its copies and events are ordered on that stream.
+        On a GPU the batch runs on a stream of the engine's own (engine.graphs' lanes), so any thread
+        may call it; one thread at a time.
 
         For an int8 model (vector_dtype "int8") the values are whole numbers in [-127, 127]: cast them
         with astype(np.int8), which is exact."""
@@ -120,7 +120,7 @@ class Engine:
             raise UserError(f"a sequence of {batch.max_seqlen} tokens is longer than the model's max length "
                             f"{self.max_length}; truncate it first")
         if self.runner is not None:
-            return self.ring.readback(self.runner.run(batch), batch.num_seqs)
+            return self.ring.readback(*self.runner.run(batch), batch.num_seqs)
         tokens, seqs = batch.num_tokens, batch.num_seqs
         inputs = np.empty(4 * tokens + seqs + 1, dtype=np.int32)
         batch.write_inputs(inputs, tokens, seqs)
@@ -150,12 +150,13 @@ class Engine:
     def settings(self) -> dict[str, str]:
         return self.spec.settings()
 
-    def _make_attention(self, slots: int | None) -> Attention:
+    def _make_attention(self, slots: int | None, lane: int) -> Attention:
         if self.attention == "flashinfer":
-            if self._flashinfer_workspace is None:
-                self._flashinfer_workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            if lane not in self._flashinfer_workspaces:
+                self._flashinfer_workspaces[lane] = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8,
+                                                                device=self.device)
             return FlashInferAttention(self.model.num_heads, self.model.head_dim, self.dtype,
-                                       self._flashinfer_workspace, causal=self.model.causal, slots=slots,
+                                       self._flashinfer_workspaces[lane], causal=self.model.causal, slots=slots,
                                        num_kv_heads=self.model.num_kv_heads, pooled=self.prune)
         return VarlenAttention(causal=self.model.causal)
 

@@ -15,8 +15,14 @@ Batches of more than GRAPH_MAX_TOKENS tokens run eagerly: such a step is tens of
 work (Qwen3-0.6B: about 15 TFLOP at 16k tokens, some 25 ms on an H200), so launching its few hundred
 kernels from Python hides behind the GPU and a graph would save nothing, while each of the 64 buckets
 between 16k and 32k tokens would hold a graph (and its activations) for inputs that are rare.
-All graphs share one memory pool. Inputs reach the device through two alternating page-locked
-staging buffers and one copy per batch; the graph reads them from fixed device addresses.
+Batches run on lanes: CUDA streams of their own, each with its own input buffers, graphs, memory
+pool and attention scratch, so that two batches in flight run at the same time. A batch takes the
+first lane with nothing left to do, so one batch at a time (a lone query) always runs on lane 0 and
+its graphs, while a stream of batches alternates lanes and the second batch's kernels fill the gaps
+and tails of the first's (run_on_gpu results: bench/results/README.md, the lanes rows). A shape's
+hits count across lanes: its first hit runs eagerly, and each lane captures its own graph of it on
+the first hit it gets after that. Inputs reach the device through two alternating page-locked
+staging buffers per lane and one copy per batch; a graph reads them from fixed device addresses.
 Not here: the model, attention kernels, readback (engine.lazy).
 """
 
@@ -38,6 +44,8 @@ SEQLEN_FLOOR = 512
 
 # (inputs, tokens, slots, attention) -> [slots, dim] float32; see Engine.forward.
 Forward = Callable[[torch.Tensor, int, int, Attention], torch.Tensor]
+# (slots of a graph shape, or None for eager runs; lane index) -> a new attention instance for them.
+MakeAttention = Callable[[int | None, int], Attention]
 
 
 def bucket_for(tokens: int) -> int:
@@ -91,21 +99,40 @@ class GraphStats:
 
 
 @dataclass
-class _Bucket:
-    tokens: int
-    slots: int
-    seqlen: int
+class _Graph:
+    """One lane's graph of one shape, and the attention instance (with its plan buffers) it was captured with."""
+
     attention: Attention
-    hits: int = 0
     graph: torch.cuda.CUDAGraph | None = None
     output: torch.Tensor | None = None
+
+
+class _Lane:
+    """A CUDA stream and what a batch running on it owns: nothing here is shared with another lane."""
+
+    def __init__(self, index: int, size: int, device: torch.device, make_attention: MakeAttention) -> None:
+        self.index = index
+        self.stream = torch.cuda.Stream(device)
+        # Weights and buffers were made on the stream current now; the lane's first batch must see them.
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        self.staging = [torch.empty(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.staging_host = [buffer.numpy() for buffer in self.staging]
+        self.staged = [torch.cuda.Event() for _ in self.staging]
+        self.turn = 0
+        self.inputs = torch.zeros(size, dtype=torch.int32, device=device)
+        self.eager_attention = make_attention(None, index)
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.done = torch.cuda.Event()  # recorded after the lane's last batch
+        self.done.record(self.stream)
+        self.batches = 0
 
 
 class GraphRunner:
     """Runs packed batches on one CUDA device, through graphs where it can."""
 
-    def __init__(self, forward: Forward, make_attention: Callable[[int | None], Attention], max_tokens: int,
-                 max_seqs: int, max_seqlen: int, device: torch.device, use_graphs: bool) -> None:
+    def __init__(self, forward: Forward, make_attention: MakeAttention, max_tokens: int, max_seqs: int,
+                 max_seqlen: int, device: torch.device, use_graphs: bool, lanes: int) -> None:
         self.forward = forward
         self.make_attention = make_attention
         self.max_seqs = max_seqs
@@ -114,81 +141,98 @@ class GraphRunner:
         self.use_graphs = use_graphs
         self.stats = GraphStats()
         size = 4 * bucket_for(max_tokens) + max_seqs + 1
-        self.staging = [torch.empty(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-        self.staging_host = [buffer.numpy() for buffer in self.staging]
-        self.staged = [torch.cuda.Event() for _ in self.staging]
-        # Every batch runs on the stream current now; asking torch for it per batch built a Stream object
-        # each time, a tenth of the index loop's GIL time on the H200 host (bench/results/gpu-2026-11-30-run36-index-host).
-        self.stream = torch.cuda.current_stream(device)
-        self.turn = 0
-        self.inputs = torch.zeros(size, dtype=torch.int32, device=device)
-        self.eager_attention = make_attention(None)
-        self.buckets: dict[tuple[int, int, int], _Bucket] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.lanes = [_Lane(index, size, device, make_attention) for index in range(lanes)]
+        self.last_lane = lanes - 1
+        self.hits: dict[tuple[int, int, int], int] = {}
 
-    def run(self, batch: PackedBatch) -> torch.Tensor:
-        """Enqueue the batch; returns the device tensor whose first num_seqs rows are its vectors.
+    def run(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.cuda.Stream]:
+        """Enqueue the batch on a lane; returns the device tensor whose first num_seqs rows are its
+        vectors, and the lane's stream.
 
-        The tensor belongs to the graph (or the shared pool) and is valid until the next run():
-        the caller must enqueue its copy on the same stream before then, as the readback ring does.
+        The tensor belongs to the lane's graph (or to the allocator) and is valid until the lane's
+        next run: the caller must enqueue its copy on that stream before then, as the readback
+        ring does.
         """
+        lane = self._free_lane()
+        lane.batches += 1
+        with torch.cuda.stream(lane.stream):
+            output = self._run(lane, batch)
+        lane.done.record(lane.stream)
+        return output, lane.stream
+
+    def _free_lane(self) -> _Lane:
+        """The first lane with nothing left to do, else the one after the lane used last."""
+        for lane in self.lanes:
+            if lane.done.query():
+                break
+        else:
+            lane = self.lanes[(self.last_lane + 1) % len(self.lanes)]
+        self.last_lane = lane.index
+        return lane
+
+    def _run(self, lane: _Lane, batch: PackedBatch) -> torch.Tensor:
         tokens = bucket_for(batch.num_tokens)
         if not self.use_graphs or tokens > GRAPH_MAX_TOKENS:
-            return self._eager(batch)
-        bucket = self._bucket(tokens, slots_for(batch.num_seqs, tokens, self.max_seqs),
-                              seqlen_for(batch.max_seqlen, tokens, self.max_seqlen))
-        bucket.hits += 1
-        if bucket.hits == 1:
-            return self._eager(batch)
-        bucket.attention.plan(self._stage(batch, bucket.tokens, bucket.slots, bucket.seqlen))
-        if bucket.graph is None:
-            self._capture(bucket)
+            return self._eager(lane, batch)
+        shape = (tokens, slots_for(batch.num_seqs, tokens, self.max_seqs),
+                 seqlen_for(batch.max_seqlen, tokens, self.max_seqlen))
+        self.hits[shape] = self.hits.get(shape, 0) + 1
+        graph = self._graph(lane, shape)
+        if self.hits[shape] == 1:
+            return self._eager(lane, batch)
+        graph.attention.plan(self._stage(lane, batch, *shape))
+        if graph.graph is None:
+            self._capture(lane, shape, graph)
         else:
             self.stats.replays += 1
-        bucket.graph.replay()
-        return bucket.output
+        graph.graph.replay()
+        return graph.output
 
     def capture_all(self, max_tokens: int) -> None:
-        """Capture every shape up to GRAPH_MAX_TOKENS now (warm-up), each with a dummy batch of that shape."""
+        """Capture every shape up to GRAPH_MAX_TOKENS on every lane now (warm-up), each with a dummy batch of that shape."""
         for tokens, slots in all_shapes(min(max_tokens, GRAPH_MAX_TOKENS), self.max_seqs, self.max_seqlen):
             for seqlen in all_seqlens(tokens, self.max_seqlen):
-                bucket = self._bucket(tokens, slots, seqlen)
-                if bucket.graph is None:
-                    dummy = PackedBatch.of([np.zeros(min(tokens // slots, self.max_seqlen), dtype=np.int32)] * slots)
-                    bucket.attention.plan(self._stage(dummy, tokens, slots, seqlen))
-                    self._capture(bucket)
-                    bucket.hits = 2
+                shape = (tokens, slots, seqlen)
+                self.hits[shape] = max(self.hits.get(shape, 0), 1)
+                dummy = PackedBatch.of([np.zeros(min(tokens // slots, self.max_seqlen), dtype=np.int32)] * slots)
+                for lane in self.lanes:
+                    graph = self._graph(lane, shape)
+                    if graph.graph is None:
+                        with torch.cuda.stream(lane.stream):
+                            graph.attention.plan(self._stage(lane, dummy, *shape))
+                            self._capture(lane, shape, graph)
 
-    def _bucket(self, tokens: int, slots: int, seqlen: int) -> _Bucket:
-        if (tokens, slots, seqlen) not in self.buckets:
-            self.buckets[tokens, slots, seqlen] = _Bucket(tokens, slots, seqlen, self.make_attention(slots))
-        return self.buckets[tokens, slots, seqlen]
+    def _graph(self, lane: _Lane, shape: tuple[int, int, int]) -> _Graph:
+        if shape not in lane.graphs:
+            lane.graphs[shape] = _Graph(self.make_attention(shape[1], lane.index))
+        return lane.graphs[shape]
 
-    def _stage(self, batch: PackedBatch, tokens: int, slots: int, max_seqlen: int) -> AttentionLayout:
-        """Copy the batch's inputs to the device; return the attention layout that reads them."""
-        self.turn ^= 1
-        staging, staged = self.staging[self.turn], self.staged[self.turn]
+    def _stage(self, lane: _Lane, batch: PackedBatch, tokens: int, slots: int, max_seqlen: int) -> AttentionLayout:
+        """Copy the batch's inputs to the lane's device buffer; return the attention layout that reads them."""
+        lane.turn ^= 1
+        staging, staged = lane.staging[lane.turn], lane.staged[lane.turn]
         # The copy issued from this buffer two batches ago must be done before it is rewritten.
         staged.synchronize()
         size = 4 * tokens + slots + 1
-        host = self.staging_host[self.turn]
+        host = lane.staging_host[lane.turn]
         batch.write_inputs(host, tokens, slots)
-        self.inputs[:size].copy_(staging[:size], non_blocking=True)
-        staged.record(self.stream)
-        return AttentionLayout(self.inputs[4 * tokens: size], host[4 * tokens: size].tolist(), max_seqlen, tokens)
+        lane.inputs[:size].copy_(staging[:size], non_blocking=True)
+        staged.record(lane.stream)
+        return AttentionLayout(lane.inputs[4 * tokens: size], host[4 * tokens: size].tolist(), max_seqlen, tokens)
 
-    def _eager(self, batch: PackedBatch) -> torch.Tensor:
+    def _eager(self, lane: _Lane, batch: PackedBatch) -> torch.Tensor:
         self.stats.eager_runs += 1
-        self.eager_attention.plan(self._stage(batch, batch.num_tokens, batch.num_seqs, batch.max_seqlen))
-        return self.forward(self.inputs, batch.num_tokens, batch.num_seqs, self.eager_attention)
+        lane.eager_attention.plan(self._stage(lane, batch, batch.num_tokens, batch.num_seqs, batch.max_seqlen))
+        return self.forward(lane.inputs, batch.num_tokens, batch.num_seqs, lane.eager_attention)
 
-    def _capture(self, bucket: _Bucket) -> None:
+    def _capture(self, lane: _Lane, shape: tuple[int, int, int], graph: _Graph) -> None:
         started = time.perf_counter()
-        # One eager pass at the bucket's shape first, so lazy library setup stays out of the graph.
-        self.forward(self.inputs, bucket.tokens, bucket.slots, bucket.attention)
+        tokens, slots, _ = shape
+        # One eager pass at the shape first, so lazy library setup stays out of the graph.
+        self.forward(lane.inputs, tokens, slots, graph.attention)
         torch.cuda.synchronize(self.device)
-        bucket.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(bucket.graph, pool=self.pool):
-            bucket.output = self.forward(self.inputs, bucket.tokens, bucket.slots, bucket.attention)
+        graph.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph.graph, pool=lane.pool):
+            graph.output = self.forward(lane.inputs, tokens, slots, graph.attention)
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - started

@@ -47,23 +47,22 @@ class PinnedRing:
     resolved first (copied into its own array), so no result is ever overwritten.
     """
 
-    def __init__(self, slots: int, max_rows: int, dim: int, stream: torch.cuda.Stream) -> None:
-        """stream: the one every batch runs on, so the copies follow their batches' work."""
+    def __init__(self, slots: int, max_rows: int, dim: int) -> None:
         self.buffers = [torch.empty(max_rows, dim, dtype=torch.float32, pin_memory=True) for _ in range(slots)]
-        self.stream = stream
         self.owners: list[LazyTensor | None] = [None] * slots
         self.next = 0
 
-    def readback(self, device_result: torch.Tensor, rows: int) -> LazyTensor:
-        """Enqueue the copy of device_result[:rows] on the ring's stream; return its LazyTensor."""
+    def readback(self, device_result: torch.Tensor, stream: torch.cuda.Stream, rows: int) -> LazyTensor:
+        """Enqueue the copy of device_result[:rows] on `stream`, the one that computes it; return its LazyTensor."""
         slot = self.next
         self.next = (slot + 1) % len(self.buffers)
         previous = self.owners[slot]
         if previous is not None:
             previous.result()
         host = self.buffers[slot][:rows]
-        host.copy_(device_result[:rows], non_blocking=True)  # on the current stream: Engine.step's rule makes it self.stream
+        with torch.cuda.stream(stream):
+            host.copy_(device_result[:rows], non_blocking=True)
         event = torch.cuda.Event()
-        event.record(self.stream)
+        event.record(stream)
         self.owners[slot] = lazy = LazyTensor(host, event)
         return lazy

@@ -81,14 +81,18 @@ def test_readback_ring_never_overwrites_unread_results(minilm_dir, texts, cpu_mi
     model = embedctl.load(str(minilm_dir), device="cpu")
     ids = model.tokenizer.encode(texts).ids
     batches = [PackedBatch.of(ids[i:i + 5]) for i in range(0, 60, 5)]
-    pending = [engine.step(batch) for batch in batches]  # far more batches than slots, none read yet
-    for lazy, batch in zip(pending, batches):
-        assert cosine(lazy.result(), cpu_minilm.step(batch).result()).min() >= 0.999
+    expected = [cpu_minilm.step(batch).result() for batch in batches]
+    for _ in range(3):  # eager runs, then captures, then replays; batches alternate between the two lanes
+        pending = [engine.step(batch) for batch in batches]  # far more batches than slots, none read yet
+        for lazy, reference in zip(pending, expected):
+            assert cosine(lazy.result(), reference).min() >= 0.999
+    assert all(lane.batches for lane in engine.runner.lanes) and engine.stats.replays > 0
 
 
 def test_warmup_captures_every_bucket(minilm_dir, texts) -> None:
     model = embedctl.load(str(minilm_dir), max_batch_tokens=2048, warmup=True)
-    assert model.engine.stats.captures == len(all_shapes(2048, 512, model.engine.max_length))
+    shapes = len(all_shapes(2048, 512, model.engine.max_length))
+    assert model.engine.stats.captures == shapes * len(model.engine.runner.lanes)  # every lane has its graphs
     model.embed(texts[:30])
     assert model.engine.stats.eager_runs == 0 and model.engine.stats.replays > 0
 
@@ -129,11 +133,13 @@ def test_bert_base_shape_backends_equal_cpu_fp32(tmp_path, backend: str) -> None
     rng = np.random.default_rng(1)
     sequences = [np.concatenate([[101], rng.integers(1000, 29000, n), [102]]) for n in (5, 510, 100, 62, 300, 1)]
     reference = Engine.load(str(path), EngineConfig(device="cpu")).embed(sequences)
-    engine = Engine.load(str(path), EngineConfig(attention=backend))
+    # A budget that makes three batches, all in flight at once: they run on both lanes.
+    engine = Engine.load(str(path), EngineConfig(attention=backend, max_batch_tokens=512))
     assert engine.attention == backend
-    for _ in range(3):  # eager, capture, replay
+    for _ in range(4):  # eager, then each lane captures, then replays
         assert cosine(engine.embed(sequences), reference).min() >= 0.999
     assert engine.stats.replays >= 1
+    assert all(lane.batches for lane in engine.runner.lanes)
 
 
 @needs_flashinfer
@@ -148,13 +154,13 @@ def test_flashinfer_reuses_a_plan_only_for_the_same_layout(tmp_path) -> None:
     expected = {name: cpu.embed(batch) for name, batch in batches.items()}
     engine = Engine.load(str(path), EngineConfig(attention="flashinfer"))
     assert cosine(engine.embed(batches["a"]), expected["a"]).min() >= 0.999  # eager; the bucket now exists
-    (bucket,) = engine.runner.buckets.values()
-    plans, plan = [], bucket.attention.wrapper.plan
-    bucket.attention.wrapper.plan = lambda *args, **kwargs: (plans.append(args[0].tolist()), plan(*args, **kwargs))[1]
+    (graph,) = engine.runner.lanes[0].graphs.values()  # one batch at a time: always the first lane
+    plans, plan = [], graph.attention.wrapper.plan
+    graph.attention.wrapper.plan = lambda *args, **kwargs: (plans.append(args[0].tolist()), plan(*args, **kwargs))[1]
     for name in ["b", "a", "a", "b", "b", "a"]:  # capture, then replays that replan or reuse the plan
         assert cosine(engine.embed(batches[name]), expected[name]).min() >= 0.999, name
     assert (engine.stats.eager_runs, engine.stats.captures, engine.stats.replays) == (1, 1, 5)
-    assert len(engine.runner.buckets) == 1
+    assert len(engine.runner.lanes[0].graphs) == 1 and not engine.runner.lanes[1].graphs
     # Sequence offsets over 4 slots (the last one empty), then the bucket's padding as one more sequence.
     offsets = {name: np.cumsum([0, *(n + 2 for n in sizes), 0]).tolist() + [192] for name, sizes in lengths.items()}
     assert plans == [offsets["b"], offsets["a"], offsets["b"], offsets["a"]]
@@ -176,15 +182,15 @@ def test_flashinfer_plans_kept_by_one_graph_hold_after_another_graph_ran(tmp_pat
     for name in ["a", "c", "a", "c"]:  # each bucket: eager, then capture
         assert cosine(engine.embed(batches[name]), expected[name]).min() >= 0.999, name
     plans: list[list[int]] = []
-    for bucket in engine.runner.buckets.values():
-        assert bucket.attention.pooled_wrapper is not None
-        for wrapper in (bucket.attention.wrapper, bucket.attention.pooled_wrapper):
+    for graph in engine.runner.lanes[0].graphs.values():
+        assert graph.attention.pooled_wrapper is not None
+        for wrapper in (graph.attention.wrapper, graph.attention.pooled_wrapper):
             plan = wrapper.plan
             wrapper.plan = lambda *args, plan=plan, **kwargs: (plans.append(args[0].tolist()), plan(*args, **kwargs))[1]
     for name in ["a", "c", "a", "a", "c"]:  # replays on kept plans, the other bucket's runs in between
         assert cosine(engine.embed(batches[name]), expected[name]).min() >= 0.999, name
     assert (engine.stats.eager_runs, engine.stats.captures, engine.stats.replays) == (2, 2, 5)
-    assert len(engine.runner.buckets) == 2 and plans == []
+    assert len(engine.runner.lanes[0].graphs) == 2 and plans == []
 
 
 def test_index_on_gpu_equals_cpu(minilm_dir, tmp_path) -> None:

@@ -9,7 +9,8 @@ One run measures every suite of the design (../shared/DESIGN.md) on the same GPU
               with the share of wall time the GPU was busy during our end-to-end run, and ours again
               with tokenizer worker processes (which a run of fewer rows than MIN_ROWS does without);
               read + tokenize alone, in this process and in workers
-  saturation  our tokens/s against tokens per batch, 64 to 16,384 (batches of real-length sequences)
+  saturation  our tokens/s against tokens per batch, 64 to 16,384 (batches of real-length sequences),
+              and on to 65,536 under a --max-batch-tokens that allows it (eager past 16,384: engine.graphs)
   graphs      graphs against eager for small batches
   profile     where our GPU time goes at the largest batch, by kernel class
 Models: all-MiniLM-L6-v2 (real weights, --minilm) and a BERT-base-shaped random-weight model (the
@@ -41,7 +42,7 @@ from pipelines.tokenize_pool import TokenizerPool, default_processes
 from tests.models import BERT_BASE, save_random_model
 
 LATENCY_TOKENS = (16, 128, 512)
-SATURATION_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+SATURATION_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 GRAPH_BATCHES = ((1, 16), (1, 64), (1, 256), (4, 256))  # (sequences, tokens each)
 ST_BATCH_SIZES = (32, 128, 512)
 
@@ -58,7 +59,7 @@ def main() -> None:
         for backend, lanes in [(backend, lanes) for backend in args.attention for lanes in args.lanes]:
             label = f"{name} ({backend})" if len(args.lanes) == 1 else f"{name} ({backend}, {lanes} lanes)"
             try:
-                engine = load(path, backend, lanes=lanes)
+                engine = load(path, backend, lanes=lanes, max_batch_tokens=args.max_batch_tokens)
             except Exception as error:  # noqa: BLE001 - a backend that cannot run this model is reported, not fatal
                 results["models"][label] = {"skipped": str(error)}
                 continue
@@ -82,6 +83,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--models", default="minilm,bert-base")
     parser.add_argument("--attention", default="auto", help="comma-separated backends to compare")
     parser.add_argument("--lanes", default=str(EngineConfig.lanes), help="comma-separated lane counts to compare")
+    parser.add_argument("--max-batch-tokens", type=int, help="the engine's token budget (default: its own)")
     parser.add_argument("--suites", default="latency,throughput,saturation,graphs,profile")
     parser.add_argument("--repeats", type=int, default=300, help="timed calls per latency point")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -273,7 +275,8 @@ def saturation_suite(engine: Engine, ids: list[np.ndarray], smoke: bool) -> dict
         seconds = timed(lambda: [engine.step(batch) for _ in range(steps)][-1].result())
         suite[tokens] = tokens * steps / seconds
     if not smoke:
-        uncompiled = load(engine.files.path, engine.attention, compile=False, lanes=engine.config.lanes)
+        uncompiled = load(engine.files.path, engine.attention, compile=False, lanes=engine.config.lanes,
+                          max_batch_tokens=engine.max_batch_tokens)
         batch = batch_of(ids, engine.max_batch_tokens)
         for _ in range(2):
             [uncompiled.step(batch) for _ in range(4)][-1].result()

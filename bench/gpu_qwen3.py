@@ -3,8 +3,9 @@
 One run, one GPU, the same random-weight checkpoint (bf16; random weights time like real ones) and the
 same pre-tokenized inputs, so both sides are model-only (no tokenizer, no files):
   throughput  --docs documents of 512 tokens: ours through Engine.embed at a 16,384-token budget
-              (CUDA graphs) and at the model's default budget (32,768 tokens: eager steps, see
-              engine.graphs); sentence-transformers' forward on padding-free batches of 128
+              (CUDA graphs; on two lanes, the default, and on one: engine.graphs) and at the model's
+              default budget (32,768 tokens: eager steps, see engine.graphs); sentence-transformers'
+              forward on padding-free batches of 128
   latency     batch 1 at 128, 512 and 4,096 tokens (the design's low-latency suite), p50/p99 ms,
               host result included: ours with graphs, ours eager, sentence-transformers
   agreement   the smallest cosine between our vectors and sentence-transformers' for 16 documents
@@ -113,6 +114,8 @@ def ours(path: Path, backend: str, docs: list[np.ndarray], singles: dict, args: 
     tokens = len(docs) * DOC_TOKENS
     out: dict = {"throughput_tok_s": {}, "latency": {}}
     budgets = {"16384 (graphs)": EngineConfig(attention=backend, max_batch_tokens=16384, max_length=16384),
+               "16384 (graphs, one lane)": EngineConfig(attention=backend, max_batch_tokens=16384, max_length=16384,
+                                                        lanes=1),
                "default (eager past 16384)": EngineConfig(attention=backend)}
     for label, config in budgets.items():
         engine = Engine.load(str(path), config)

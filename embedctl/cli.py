@@ -214,6 +214,8 @@ def score(
         if not quiet:
             typer.echo(ranking.summary(out), err=True)
         if metrics is not None:
+            if (warning := metrics.warning()) is not None:
+                typer.echo(f"warning: --qrels {qrels} {warning}", err=True)
             typer.echo(metrics.summary(), err=True)
         if report is not None:
             _write_report(report, json.dumps({**ranking.to_dict(), "metrics": metrics.to_dict() if metrics else None}, indent=2))
@@ -340,10 +342,18 @@ def _within(path: str, folder: str) -> bool:
 
 
 def _check_report_path(report: Path | None) -> None:
-    """Refuse a --report path that cannot be written before the run, not after it."""
-    if report is not None and not report.parent.is_dir():
+    """Refuse a --report path that cannot be written before the run, not after it. Nothing is written to
+    find out: a run that fails later writes its error there, and a run refused here leaves no empty file."""
+    if report is None:
+        return
+    if not report.parent.is_dir():
         raise UserError(f"--report {report}: the directory {report.parent} does not exist; "
                         "create it or pick another path")
+    if report.is_dir():
+        raise UserError(f"--report {report} is a directory; give the report a file name")
+    if not os.access(report if report.exists() else report.parent, os.W_OK):
+        where = "it is read-only" if report.exists() else f"the directory {report.parent} is read-only"
+        raise UserError(f"cannot write the report {report} ({where}); pick a writable --report path")
 
 
 def _write_report(report: Path, text: str) -> None:
@@ -354,7 +364,24 @@ def _write_report(report: Path, text: str) -> None:
 
 
 def main() -> None:
-    app()
+    """The console script. With standalone_mode off, click hands its own errors (an unknown option, a missing
+    argument, a bad choice) to this function instead of printing a usage box, so they end as one line too."""
+    try:
+        code = app(prog_name="embedctl", standalone_mode=False)  # a command's exit code, None when it returns
+    except typer.TyperException as error:  # the base of the click errors in the click that typer bundles
+        if message := _click_error(error):
+            typer.echo(message, err=True)
+        code = error.exit_code
+    sys.exit(code)
+
+
+def _click_error(error: typer.TyperException) -> str:
+    """What to print for a click error: one line, or for bare `embedctl` its help ("" when already printed)."""
+    if type(error).__name__ == "NoArgsIsHelpError":  # by name, as typer does: the class is private
+        return error.format_message()  # the help, or "" where typer's rich help has printed it already
+    message = " ".join(error.format_message().splitlines()).rstrip(".")
+    ctx = getattr(error, "ctx", None)  # usage errors know their command
+    return f"error: {message}" + (f" (see {ctx.command_path} --help)" if ctx is not None else "")
 
 
 if __name__ == "__main__":

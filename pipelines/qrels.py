@@ -6,6 +6,9 @@ gains (relevance / log2(rank + 1), ideal order from the judgements), MRR@10 (rec
 first relevant document in the top 10) and Recall@k (relevant documents found in the run's top k over
 all relevant ones); a document is relevant when its relevance is above 0. Averages are over the
 queries that have at least one relevant judgement; queries without one are counted, not scored.
+Judged documents that are not among the documents ranked are normal (judgements pool many systems'
+runs over a larger corpus): they are scored as trec_eval scores them, the relevant ones as never found,
+and counted apart so that the caller can warn, since with a wrong id column almost none are found.
 
 It reads no runs from files and computes no statistical tests.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import fsspec
@@ -22,6 +25,7 @@ import fsspec
 from engine.errors import UserError, short_reason
 
 CUTOFF = 10
+EXAMPLES = 3  # judged documents missing from the ranked set named in the warning
 
 Qrels = dict[str, dict[str, int]]  # query id -> doc id -> relevance
 
@@ -34,15 +38,26 @@ class Metrics:
     k: int
     queries_scored: int
     queries_unjudged: int
+    docs_missing: int  # judged documents that are not among the documents ranked
+    docs_missing_examples: tuple[str, ...]  # the first few of them, sorted
 
     def summary(self) -> str:
         return (f"nDCG@10 {self.ndcg_at_10:.4f}, MRR@10 {self.mrr_at_10:.4f}, Recall@{self.k} {self.recall_at_k:.4f} "
                 f"over {self.queries_scored:,} judged queries ({self.queries_unjudged:,} without relevant documents)")
 
+    def warning(self) -> str | None:
+        """What to tell the user about judged documents missing from the ranked set, if any are."""
+        if not self.docs_missing:
+            return None
+        examples = ", ".join(map(repr, self.docs_missing_examples))
+        return (f"judges {self.docs_missing:,} documents that are not among the documents ranked (e.g. {examples}); "
+                "scored as trec_eval does, the relevant ones as not found; if that is most of them, check the "
+                "documents and --id-col")
+
     def to_dict(self) -> dict[str, float | int]:
         return {"ndcg@10": round(self.ndcg_at_10, 6), "mrr@10": round(self.mrr_at_10, 6),
                 f"recall@{self.k}": round(self.recall_at_k, 6), "queries_scored": self.queries_scored,
-                "queries_unjudged": self.queries_unjudged}
+                "queries_unjudged": self.queries_unjudged, "judged_docs_missing": self.docs_missing}
 
 
 def read_qrels(path: str, query_ids: Sequence[str]) -> Qrels:
@@ -68,8 +83,9 @@ def read_qrels(path: str, query_ids: Sequence[str]) -> Qrels:
     return qrels
 
 
-def evaluate(query_ids: Sequence[str], doc_ids: Sequence[Sequence[str]], qrels: Qrels, k: int) -> Metrics:
-    """Metrics of a run: doc_ids[q] is query q's ranked list, best first."""
+def evaluate(query_ids: Sequence[str], doc_ids: Sequence[Sequence[str]], qrels: Qrels, k: int,
+             documents: Iterable[str]) -> Metrics:
+    """Metrics of a run: doc_ids[q] is query q's ranked list, best first, out of documents (every id ranked)."""
     ndcg, mrr, recall = [], [], []
     for query_id, ranked in zip(query_ids, doc_ids):
         judged = qrels.get(query_id, {})
@@ -83,8 +99,10 @@ def evaluate(query_ids: Sequence[str], doc_ids: Sequence[Sequence[str]], qrels: 
         mrr.append(1.0 / first if first else 0.0)
         recall.append(len(relevant.intersection(ranked[:k])) / len(relevant))
     scored = len(ndcg)
+    missing = sorted({doc for judged in qrels.values() for doc in judged}.difference(documents))
     return Metrics(ndcg_at_10=_mean(ndcg), mrr_at_10=_mean(mrr), recall_at_k=_mean(recall), k=k,
-                   queries_scored=scored, queries_unjudged=len(query_ids) - scored)
+                   queries_scored=scored, queries_unjudged=len(query_ids) - scored, docs_missing=len(missing),
+                   docs_missing_examples=tuple(missing[:EXAMPLES]))
 
 
 def _parse(path: str, number: int, line: str) -> tuple[str, str, int]:

@@ -10,6 +10,7 @@ It is not a tokenizer (texts come out as they are, None for null) and it does no
 
 from __future__ import annotations
 
+import codecs
 import json
 import posixpath
 import re
@@ -27,6 +28,7 @@ from engine.errors import UserError, short_reason
 
 _SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz")
 _GLOB = re.compile(r"[*?\[]")
+_JSONL_ID_FIX = "give every line an id, or pass --id-col naming a key the file lacks to number lines instead"
 
 
 @dataclass
@@ -48,7 +50,7 @@ class _File:
     path: str  # fsspec path, protocol stripped
     shown: str  # the user's spelling of it
     rel: str  # name relative to the given directory: the prefix of generated ids
-    has_id: bool = False  # Parquet only; JSONL decides per line
+    has_id: bool = False  # Parquet only; in JSONL the first line decides
     rows: int = 0  # Parquet only, from the footer
 
 
@@ -111,7 +113,7 @@ class CorpusReader:
                 "pass --text-col with the column that holds the text"
             )
         text_type = schema.field(self.text_col).type
-        if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
+        if not _is_text(text_type):
             raise UserError(
                 f"{f.shown}: column '{self.text_col}' is {text_type}, not a string; "
                 "pass --text-col with a string column"
@@ -184,12 +186,14 @@ class CorpusReader:
         texts: list[str | None] = []
         lines: list[int] = []
         kept_rows: list[dict] = []
+        first: tuple[int, bool] | None = None  # the first line's number and whether it has an id
         with self._open_jsonl(f) as handle:
             for number, raw in _numbered_lines(f, handle):
                 if not raw.strip():
                     continue
                 row = self._parse_line(f, number, raw)
-                ids.append(self._line_id(f, number, row))
+                first = first or (number, self.id_col in row)
+                ids.append(self._line_id(f, number, row, first))
                 texts.append(row[self.text_col])
                 lines.append(number)
                 if self.keep:
@@ -233,21 +237,25 @@ class CorpusReader:
             )
         return row
 
-    def _line_id(self, f: _File, number: int, row: dict) -> str:
-        if self.id_col not in row:
+    def _line_id(self, f: _File, number: int, row: dict, first: tuple[int, bool]) -> str:
+        """The line's id, or file:line when the file's lines have none; the first line decides which, since
+        a file that mixes the two would mix real ids with numbers that may collide with them."""
+        first_line, has_ids = first
+        if (self.id_col in row) != has_ids:
+            mismatch = (f"has no '{self.id_col}' key but line {first_line} has one" if has_ids
+                        else f"has an '{self.id_col}' key but line {first_line} has none")
+            raise UserError(f"{f.shown} line {number}: {mismatch}; {_JSONL_ID_FIX}")
+        if not has_ids:
             return f"{f.rel}:{number}"
         value = row[self.id_col]
         if value == "":
-            raise UserError(f"{f.shown} line {number}: {self.id_col} is empty; give every line an id, "
-                            "or pass --id-col naming a key the file lacks to number lines instead")
+            raise UserError(f"{f.shown} line {number}: {self.id_col} is empty; {_JSONL_ID_FIX}")
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)):
             return json.dumps(value)
-        raise UserError(
-            f"{f.shown} line {number}: {self.id_col} is {_kind(value)}, not a string or number; "
-            "give every line an id, or pass --id-col naming a key the file lacks to number lines instead"
-        )
+        raise UserError(f"{f.shown} line {number}: {self.id_col} is {_kind(value)}, not a string or number; "
+                        f"{_JSONL_ID_FIX}")
 
     def _jsonl_kept(self, f: _File, rows: list[dict], lines: list[int]) -> pa.Table | None:
         """The kept keys as a table whose schema the first chunk fixes for all later ones.
@@ -329,6 +337,8 @@ def _walk(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
 
 
 def _numbered_lines(f: _File, handle: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    """Each line with its 1-based number; a UTF-8 byte order mark (which Windows editors write) is dropped
+    from the start of the file, where it is no part of the JSON."""
     number = 0
     while True:
         try:
@@ -340,13 +350,20 @@ def _numbered_lines(f: _File, handle: IO[bytes]) -> Iterator[tuple[int, bytes]]:
         if not raw:
             return
         number += 1
-        yield number, raw
+        yield number, raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw
 
 
 def _unreadable_parquet(f: _File, e: Exception) -> UserError:
     return UserError(
         f"{f.shown} is not a readable Parquet file ({short_reason(e)}); check that it is a complete Parquet file"
     )
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    """A string column, plain or dictionary-encoded (as pandas writes a categorical: to_pylist decodes it)."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
 
 
 def _as_text(value: object) -> str | None:

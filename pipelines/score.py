@@ -93,10 +93,14 @@ class Ranking:
     query_ids: list[str]
     doc_ids: list[list[str]]
     scores: np.ndarray  # float32 [queries, min(top_k, documents)]
-    documents: int = 0
+    corpus_ids: list[str]  # every document ranked, in order: what qrels may judge
     skipped_empty: int = 0
     seconds: float = 0.0
     reranked: int = 0  # (query, document) pairs the reranker scored
+
+    @property
+    def documents(self) -> int:
+        return len(self.corpus_ids)
 
     def to_dict(self) -> dict[str, int | float]:
         return {"queries": len(self.query_ids), "documents": self.documents, "top_k": int(self.scores.shape[1]),
@@ -272,7 +276,7 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
         raise UserError(f"{source} holds no documents with text; give a corpus with at least one non-empty text")
     indices = top.indices.cpu().numpy()
     return Ranking(query_ids=queries.ids, doc_ids=[[doc_ids[i] for i in row] for row in indices],
-                   scores=top.scores.cpu().numpy(), documents=len(doc_ids), skipped_empty=skipped,
+                   scores=top.scores.cpu().numpy(), corpus_ids=doc_ids, skipped_empty=skipped,
                    seconds=time.perf_counter() - started)
 
 
@@ -297,9 +301,8 @@ def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking
             order = np.argsort(-mine, kind="stable")[:top_k]
             doc_ids.append([hits[i] for i in order])
             scores.append(mine[order])
-    return Ranking(query_ids=ranking.query_ids, doc_ids=doc_ids, scores=np.stack(scores), documents=ranking.documents,
-                   skipped_empty=ranking.skipped_empty, seconds=ranking.seconds + time.perf_counter() - started,
-                   reranked=pairs)
+    return replace(ranking, doc_ids=doc_ids, scores=np.stack(scores),
+                   seconds=ranking.seconds + time.perf_counter() - started, reranked=pairs)
 
 
 def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], seconds: list[str]) -> np.ndarray:
@@ -370,7 +373,8 @@ def run_score(engine: Engine, tokenizer: TextTokenizer, inputs: Inputs, options:
     if reranker is not None:
         wanted = {doc_id for hits in ranking.doc_ids for doc_id in hits}
         ranking = rerank(*reranker, inputs.queries, ranking, document_texts(inputs, wanted), options.top_k)
-    metrics = evaluate(ranking.query_ids, ranking.doc_ids, inputs.qrels, options.top_k) if inputs.qrels else None
+    metrics = evaluate(ranking.query_ids, ranking.doc_ids, inputs.qrels, options.top_k, ranking.corpus_ids) \
+        if inputs.qrels else None
     return ranking, metrics
 
 

@@ -41,6 +41,8 @@ _PART_NAME = re.compile(r"part-(\d+)\.parquet$")
 _TMP = ".tmp-"  # prefix of a Parquet part not yet committed; hidden from readers
 _REBUILD = ".rebuild"  # where a directory rebuild stages its parts; a Lance rebuild's table is .NAME.rebuild
 _DELETE_IDS = 1000  # ids per Lance delete predicate
+_LANCE_IO = "LanceError(IO)"  # how Lance's RuntimeError tells an I/O failure (a read-only folder, a full disk)
+_LANCE_PREFIX = re.compile(r"^lance error: LanceError\(\w+\): ")
 
 
 def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
@@ -206,8 +208,7 @@ class _LanceStore:
         except ValueError:  # Lance's "table not found"; a directory left by a killed create counts as absent
             return None
         except RuntimeError as error:  # something else is there: a plain file, a folder Lance cannot read
-            reason = short_reason(error).split(", /")[0]  # Lance appends the Rust source file's path
-            raise UserError(f"cannot open {self._shown} as a LanceDB table ({reason}); remove what is "
+            raise UserError(f"cannot open {self._shown} as a LanceDB table ({_lance_reason(error)}); remove what is "
                             "there or pick another --out") from None
 
     def write(self, batch: pa.RecordBatch) -> None:
@@ -480,10 +481,23 @@ def _read_schema(fs: fsspec.AbstractFileSystem, path: str, shown: str) -> pa.Sch
         ) from None
 
 
+def _lance_reason(error: RuntimeError) -> str:
+    """Lance's message without its error-kind prefix and the Rust source file's path it appends."""
+    return _LANCE_PREFIX.sub("", short_reason(error).split(", /")[0])
+
+
 @contextmanager
 def _io_errors(shown: str) -> Iterator[None]:
-    """Turns an OSError while writing into a UserError that names the output."""
+    """Turns an OSError while writing, or Lance's RuntimeError for one, into a UserError that names the output."""
     try:
         yield
     except OSError as e:
-        raise UserError(f"cannot write {shown} ({short_reason(e)}); check free space and permissions") from None
+        raise _cannot_write(shown, short_reason(e)) from None
+    except RuntimeError as e:
+        if _LANCE_IO not in str(e):  # a Lance bug, not the user's disk: keep its traceback
+            raise
+        raise _cannot_write(shown, _lance_reason(e)) from None
+
+
+def _cannot_write(shown: str, reason: str) -> UserError:
+    return UserError(f"cannot write {shown} ({reason}); check free space and permissions")

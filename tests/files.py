@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
@@ -22,6 +27,28 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
 
 # One torch thread per subprocess: tests run side by side on two cores (see tests/test_cli.py).
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run_cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:
+    """The command line as a user runs it: a subprocess in cwd."""
+    return subprocess.run([sys.executable, "-m", "embedctl.cli", *map(str, args)], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+@contextmanager
+def read_only(folder: Path) -> Iterator[None]:
+    """folder and the folders under it read-only for the block; skips the test where the OS lets this
+    process write there anyway (root)."""
+    folders = [folder, *(path for path in folder.rglob("*") if path.is_dir())]
+    for path in folders:
+        path.chmod(0o555)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("read-only folders do not stop this process (root) from writing")
+        yield
+    finally:
+        for path in folders:
+            path.chmod(0o755)
 
 
 def good_rows(prefix: str, n: int = 2) -> list[dict]:

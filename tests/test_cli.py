@@ -8,6 +8,7 @@ hash from hashlib, neighbours from lancedb's own search. Bad inputs must end wit
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,15 +31,14 @@ from tokenizers import Tokenizer
 
 import embedctl
 from engine.checkpoint import resolve_model
-from tests.files import ENV, assert_one_error_line, good_rows, snapshot, write_jsonl
+from tests.files import ENV, assert_one_error_line, good_rows, read_only, run_cli, snapshot, write_jsonl
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "corpus"
 MAX_LENGTH = 256  # all-MiniLM-L6-v2's sentence_bert_config.json
 # One torch thread per run: on this shared two-core machine, two-thread CPU kernels wait on each
 # other under load and make every run several times slower. The vectors are the same.
 def embedctl_index(*args: object, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "embedctl.cli", "index", *map(str, args)], cwd=cwd, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    return run_cli("index", *args, cwd=cwd)
 
 
 def run_side_by_side(jobs: list[tuple[list, Path]]) -> list[subprocess.CompletedProcess]:
@@ -98,6 +99,11 @@ def _model_missing_files(tmp: Path) -> tuple[list, list[str]]:
     return ["docs.jsonl", "--model", model], [str(model), "tokenizer.json", "--model"]
 
 
+def _ids_on_some_lines(tmp: Path) -> tuple[list, list[str]]:
+    where = _bad_second_shard(tmp, {"text": "a line without an id, after lines with one"})
+    return ["docs"], [where, "has no 'id' key but line 1 has one", "give every line an id", "--id-col"]
+
+
 def _duplicate_ids(tmp: Path) -> tuple[list, list[str]]:
     where = _bad_second_shard(tmp, {"id": "a1", "text": "another text under an id used before"})
     return ["docs"], [where, "duplicate id 'a1'", "--on-duplicate skip"]
@@ -156,8 +162,8 @@ def _failed_rebuild(tmp: Path) -> tuple[list, list[str]]:
 # Each case with one kind of output; the cases that fail mid-stream cover all three kinds.
 BAD_INPUTS = [(_missing_path, "x.lance"), (_corrupt_parquet, "x.parquet"), (_malformed_json, "x.lance"),
               (_missing_text_jsonl, "x.parquet"), (_missing_text_parquet, "out/"), (_non_string_text, "out/"),
-              (_model_missing_files, "x.lance"), (_duplicate_ids, "x.parquet"), (_empty_text_refused, "out/"),
-              (_long_text_refused, "x.lance"), (_old_overwrite_flag, "x.parquet"),
+              (_model_missing_files, "x.lance"), (_duplicate_ids, "x.parquet"), (_ids_on_some_lines, "x.lance"),
+              (_empty_text_refused, "out/"), (_long_text_refused, "x.lance"), (_old_overwrite_flag, "x.parquet"),
               (_existing_lance_without_keys, "x.lance"), (_existing_parquet, "x.parquet"), (_other_dim, "x.lance"),
               (_failed_rebuild, "x.lance")]
 
@@ -250,6 +256,56 @@ def test_overlapping_paths_and_impossible_options_are_one_line_and_change_nothin
     for (tmp, before, phrases, _), result in zip(cases, run_side_by_side([(args, tmp) for tmp, _, _, args in cases])):
         assert_one_error_line(result, *phrases)
         assert snapshot(tmp) == before
+
+
+def _report_in_a_read_only_folder(tmp: Path) -> tuple[str, list[str], AbstractContextManager]:
+    (tmp / "reports").mkdir()
+    return ("reports/r.json", ["cannot write the report reports/r.json", "reports is read-only", "writable --report"],
+            read_only(tmp / "reports"))
+
+
+def _report_that_is_a_folder(tmp: Path) -> tuple[str, list[str], AbstractContextManager]:
+    (tmp / "r.json").mkdir()
+    return "r.json", ["--report r.json is a directory", "give the report a file name"], nullcontext()
+
+
+@pytest.mark.parametrize("case", [_report_in_a_read_only_folder, _report_that_is_a_folder],
+                         ids=["read-only folder", "a folder"])
+def test_a_report_that_cannot_be_written_is_refused_before_any_work(tmp_path: Path, case) -> None:
+    write_jsonl(tmp_path / "docs.jsonl", good_rows("a"))
+    report, phrases, context = case(tmp_path)
+    before = snapshot(tmp_path)
+    with context:
+        result = embedctl_index("docs.jsonl", "--out", "x.parquet", "--report", report, cwd=tmp_path)
+    assert_one_error_line(result, *phrases)
+    assert snapshot(tmp_path) == before  # no output, and no report
+
+
+# Usage errors, which click finds before a command runs: one line, exit code 2.
+
+USAGE_ERRORS = {
+    "unknown option": (["index", "docs.jsonl", "--out", "x.lance", "--frobnicate"],
+                       ["error: No such option: --frobnicate", "(see embedctl index --help)"]),
+    "missing argument": (["index"], ["error: Missing argument 'source' (see embedctl index --help)"]),
+    "bad choice": (["index", "docs.jsonl", "--out", "x.lance", "--on-long", "sometimes"],
+                   ["'--on-long'", "'sometimes' is not one of 'truncate', 'error'", "(see embedctl index --help)"]),
+    "not a number": (["score", "queries.jsonl", "docs.jsonl", "--top-k", "many"], ["'--top-k'", "(see embedctl score --help)"]),
+    "unknown command": (["reindex"], ["error: No such command 'reindex'", "Did you mean 'index'?", "(see embedctl --help)"]),
+}
+
+
+@pytest.mark.parametrize("case", USAGE_ERRORS)
+def test_usage_errors_are_one_line(tmp_path: Path, case: str) -> None:
+    args, phrases = USAGE_ERRORS[case]
+    result = run_cli(*args, cwd=tmp_path)
+    assert_one_error_line(result, *phrases)
+    assert result.stdout == ""
+
+
+def test_the_bare_command_prints_its_help(tmp_path: Path) -> None:
+    result = run_cli(cwd=tmp_path)
+    assert result.returncode == 2 and "error" not in result.stderr
+    assert "Usage: embedctl [OPTIONS] COMMAND" in result.stdout + result.stderr
 
 
 # The happy path: sample_data/corpus (a Parquet and a JSONL shard) plus a shard of empty texts.
@@ -369,6 +425,22 @@ def test_lancedb_search_finds_a_document_by_its_own_text(indexed: tuple[Path, st
         assert hits[0]["id"] == doc["id"]
 
 
+def test_a_jsonl_with_a_bom_and_a_dictionary_encoded_parquet_are_read(tmp_path: Path, model: embedctl.Embedder) -> None:
+    rows = good_rows("a")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.jsonl").write_bytes(codecs.BOM_UTF8 + "".join(json.dumps(row) + "\n" for row in rows).encode())
+    texts = ["A categorical text.", "Another categorical text."]
+    dictionary = pa.dictionary(pa.int32(), pa.string())  # what pandas writes for a categorical column
+    pq.write_table(pa.table({"id": pa.array(["b0", "b1"]).cast(dictionary), "text": pa.array(texts).cast(dictionary)}),
+                   tmp_path / "docs" / "b.parquet")
+    result = embedctl_index("docs", "--out", "x.parquet", "-q", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    table = pq.read_table(tmp_path / "x.parquet")
+    assert table.column("id").to_pylist() == ["a0", "a1", "b0", "b1"]
+    vectors = np.stack(table.column("vector").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(vectors, model.embed([row["text"] for row in rows] + texts), atol=1e-5)
+
+
 # Changing an existing LanceDB table made by embedctl (made next to the happy-path outputs).
 
 EXTRA = [{"id": "n1", "text": "A new document about tables.", "source": "new"},
@@ -398,6 +470,14 @@ def test_another_source_into_the_same_output_adds_its_rows(existing: Path) -> No
     result = embedctl_index("extra.jsonl", "--out", "x.lance", "--keep", "source", "-q", cwd=existing)
     assert result.returncode == 0, result.stderr
     assert lance_ids(existing) == [*old, "n1", "n2"]
+
+
+def test_a_read_only_table_is_one_line_and_unchanged(existing: Path) -> None:
+    before = snapshot(existing)
+    with read_only(existing / "x.lance"):
+        result = embedctl_index("extra.jsonl", "--out", "x.lance", "--keep", "source", cwd=existing)
+    assert_one_error_line(result, "cannot write x.lance", "Permission denied", "check free space and permissions")
+    assert snapshot(existing) == before
 
 
 # Ctrl-C

@@ -1,5 +1,6 @@
 """CorpusReader: path resolution, chunking, ids, kept columns, and a UserError for every bad input."""
 
+import codecs
 import gzip
 import json
 
@@ -150,10 +151,10 @@ def test_texts_come_as_they_are_and_null_is_none(tmp_path):
 
 def test_ids_are_stringified_from_the_id_column(tmp_path):
     write_parquet(tmp_path / "a.parquet", {"id": [7, 8], "text": ["a", "b"]})
-    write_jsonl(tmp_path / "b.jsonl", [{"id": 9, "text": "c"}, {"id": "s", "text": "d"}, {"text": "no id"}])
+    write_jsonl(tmp_path / "b.jsonl", [{"id": 9, "text": "c"}, {"id": "s", "text": "d"}])
     write_parquet(tmp_path / "c.parquet", {"doc": ["x1"], "body": ["e"]})
     reader = CorpusReader(f"{tmp_path}/[ab].*")
-    assert read_all(reader)[1] == ["7", "8", "9", "s", "b.jsonl:3"]
+    assert read_all(reader)[1] == ["7", "8", "9", "s"]
     assert read_all(CorpusReader(str(tmp_path / "c.parquet"), text_col="body", id_col="doc"))[1] == ["x1"]
 
 
@@ -275,6 +276,17 @@ def test_parquet_text_column_not_a_string(tmp_path):
     assert f"{tmp_path}/a.parquet" in message and "'text' is int64, not a string" in message
 
 
+def test_parquet_dictionary_encoded_strings_are_read_decoded(tmp_path):
+    for values in (pa.string(), pa.large_string()):
+        dictionary = pa.dictionary(pa.int32(), values)
+        write_parquet(tmp_path / "a.parquet", {"id": pa.array(["x", "y", "x2"]).cast(dictionary),
+                                               "text": pa.array(["same", None, "same"]).cast(dictionary)})
+        _, ids, texts = read_all(CorpusReader(str(tmp_path)))
+        assert (ids, texts) == (["x", "y", "x2"], ["same", None, "same"])
+    write_parquet(tmp_path / "a.parquet", {"text": pa.array([b"\xff", b"b"]).dictionary_encode()})
+    assert "'text' is dictionary<values=binary, indices=int32, ordered=0>, not a string" in error(path=str(tmp_path))
+
+
 def test_parquet_missing_keep_column(tmp_path):
     write_parquet(tmp_path / "a.parquet", {"text": ["x"]})
     message = error(path=str(tmp_path), keep=["lang"])
@@ -343,6 +355,32 @@ def test_jsonl_bad_id(tmp_path):
     assert f"{tmp_path}/a.jsonl line 1: id is a list" in error(path=str(tmp_path))
     write_jsonl(tmp_path / "a.jsonl", [{"id": None, "text": "x"}])
     assert f"{tmp_path}/a.jsonl line 1: id is null" in error(path=str(tmp_path))
+
+
+def test_jsonl_ids_on_some_lines_only_name_the_line(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"id": "a", "text": "x"}, "", {"id": "b", "text": "y"}, {"text": "z"}])
+    assert error(path=str(tmp_path)) == (
+        f"{tmp_path}/a.jsonl line 4: has no 'id' key but line 1 has one; give every line an id, "
+        "or pass --id-col naming a key the file lacks to number lines instead"
+    )
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}, {"id": "a.jsonl:1", "text": "y"}])
+    assert f"{tmp_path}/a.jsonl line 2: has an 'id' key but line 1 has none;" in error(path=str(tmp_path))
+
+
+def test_jsonl_ids_are_decided_per_file(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"id": "a", "text": "x"}])
+    write_jsonl(tmp_path / "b.jsonl", [{"text": "y"}])
+    assert read_all(CorpusReader(str(tmp_path)))[1] == ["a", "b.jsonl:1"]
+
+
+def test_jsonl_byte_order_mark_is_dropped_at_the_start_only(tmp_path):
+    lines = json.dumps({"id": "a", "text": "x"}) + "\n" + json.dumps({"id": "b", "text": "y"}) + "\n"
+    (tmp_path / "a.jsonl").write_bytes(codecs.BOM_UTF8 + lines.encode())
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(codecs.BOM_UTF8 + b'{"id": "c", "text": "z"}\n'))
+    _, ids, texts = read_all(CorpusReader(str(tmp_path)))
+    assert (ids, texts) == (["a", "b", "c"], ["x", "y", "z"])
+    (tmp_path / "a.jsonl").write_bytes(lines.encode() + codecs.BOM_UTF8 + lines.encode())
+    assert f"{tmp_path}/a.jsonl line 3: invalid JSON" in error(path=str(tmp_path / "a.jsonl"))
 
 
 def test_jsonl_not_utf8(tmp_path):

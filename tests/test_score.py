@@ -29,7 +29,7 @@ from engine import UserError
 from tests.models import minilm_path, save_random_model
 from pipelines.readers import Chunk
 from tests.files import snapshot, write_jsonl
-from tests.files import ENV, assert_one_error_line, good_rows
+from tests.files import ENV, assert_one_error_line, good_rows, run_cli
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
 QUERIES, CORPUS = SAMPLE / "queries.jsonl", SAMPLE / "corpus"
@@ -186,19 +186,23 @@ def test_jsonl_rows_to_stdout(sample_ranking: tuple[Queries, Ranking], capsys: p
 # Metrics against qrels
 
 
-def test_metrics_equal_the_values_worked_out_by_hand(tmp_path: Path) -> None:
+@pytest.mark.parametrize("documents, missing", [("abcdefwxyz", ()), ("abcdefwxy", ("z",))],
+                         ids=["every judged document ranked", "a judged document outside the ranked set"])
+def test_metrics_equal_the_values_worked_out_by_hand(tmp_path: Path, documents: str, missing: tuple[str, ...]) -> None:
     qrels_file = tmp_path / "qrels.txt"
     qrels_file.write_text("q1 0 a 2\nq1 0 b 1\nq1 0 z 1\nq2 0 c 1\nq3 0 d 0\n")
     qrels = read_qrels(str(qrels_file), ["q1", "q2", "q3"])
     run = [["x", "a", "b"], ["c", "y", "w"], ["d", "e", "f"]]
-    metrics = evaluate(["q1", "q2", "q3"], run, qrels, k=3)
+    metrics = evaluate(["q1", "q2", "q3"], run, qrels, 3, documents)
     # q1: gains 0, 2, 1 -> DCG 2/log2(3) + 1/2; ideal 2, 1, 1 -> 2 + 1/log2(3) + 1/2; first hit at rank 2;
     # 2 of 3 relevant found. q2: perfect at rank 1. q3 has no relevant document: counted, not scored.
+    # z, relevant to q1, is not found whether or not it is among the documents, as in trec_eval.
     ndcg_q1 = (2 / np.log2(3) + 0.5) / (2 + 1 / np.log2(3) + 0.5)
     assert metrics.ndcg_at_10 == pytest.approx((ndcg_q1 + 1) / 2)
     assert metrics.mrr_at_10 == pytest.approx((0.5 + 1) / 2)
     assert metrics.recall_at_k == pytest.approx((2 / 3 + 1) / 2)
     assert (metrics.queries_scored, metrics.queries_unjudged) == (2, 1)
+    assert (metrics.docs_missing, metrics.docs_missing_examples) == (len(missing), missing)
 
 
 def test_jsonl_qrels_read_like_trec(tmp_path: Path) -> None:
@@ -223,7 +227,9 @@ def test_bad_qrels_name_the_problem(tmp_path: Path, text: str, phrases: list[str
 
 def test_sample_qrels_score_the_sample_ranking(sample_ranking: tuple[Queries, Ranking]) -> None:
     queries, ranking = sample_ranking
-    metrics = evaluate(ranking.query_ids, ranking.doc_ids, read_qrels(str(SAMPLE / "qrels.txt"), queries.ids), k=3)
+    metrics = evaluate(ranking.query_ids, ranking.doc_ids, read_qrels(str(SAMPLE / "qrels.txt"), queries.ids), 3,
+                       ranking.corpus_ids)
+    assert metrics.docs_missing == 0
     wanted = {row["id"]: row["doc_id"] for row in map(json.loads, QUERIES.read_text().splitlines())}
     first = [1.0 / (hits.index(wanted[q]) + 1) if wanted[q] in hits else 0.0 for q, hits in zip(ranking.query_ids, ranking.doc_ids)]
     assert metrics.mrr_at_10 == pytest.approx(np.mean(first))
@@ -344,8 +350,7 @@ def _sample_docs() -> list[dict]:
 
 
 def embedctl_score(*args: object, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "embedctl.cli", "score", *map(str, args)], cwd=cwd, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    return run_cli("score", *args, cwd=cwd)
 
 
 def _good_queries(tmp: Path) -> None:
@@ -464,6 +469,27 @@ def test_reranked_run_with_metrics_and_report(cli_runs: dict) -> None:
     hits = {q: [r["doc_id"] for r in rows if r["query_id"] == q] for q in wanted}
     assert report["metrics"]["recall@10"] == pytest.approx(np.mean([wanted[q] in hits[q] for q in wanted]), abs=1e-6)
     assert f"Recall@10 {report['metrics']['recall@10']:.4f}" in result.stderr and "nDCG@10" in result.stderr
+
+
+def test_judged_documents_outside_the_ranked_set_warn_in_one_line_and_score_as_trec_eval(tmp_path: Path) -> None:
+    _good_queries(tmp_path)
+    write_jsonl(tmp_path / "docs.jsonl", good_rows("a"))
+    (tmp_path / "qrels.txt").write_text("q1 0 a0 1\nq1 0 gone9 1\nq1 0 gone1 0\nq1 0 gone5 2\n")
+    result = embedctl_score("queries.jsonl", "docs.jsonl", "--qrels", "qrels.txt", "--report", "report.json",
+                            "--out", "run.jsonl", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    [warning] = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    for phrase in ["--qrels qrels.txt judges 3 documents that are not among the documents ranked",
+                   "'gone1', 'gone5', 'gone9'", "check the documents and --id-col"]:
+        assert phrase in warning
+    # Relevant: a0 (1), which the run ranks, and gone9 (1) and gone5 (2), which it cannot: never found.
+    rank_a0 = [row["doc_id"] for row in map(json.loads, (tmp_path / "run.jsonl").read_text().splitlines())].index("a0") + 1
+    metrics = json.loads((tmp_path / "report.json").read_text())["metrics"]
+    ideal = 2 + 1 / np.log2(3) + 1 / np.log2(4)
+    assert metrics["ndcg@10"] == pytest.approx(1 / np.log2(rank_a0 + 1) / ideal, abs=1e-6)
+    assert metrics["mrr@10"] == pytest.approx(1 / rank_a0, abs=1e-6)
+    assert metrics["recall@10"] == pytest.approx(1 / 3, abs=1e-6)
+    assert metrics["judged_docs_missing"] == 3
 
 
 def test_trec_run_file(cli_runs: dict, sample_ranking: tuple[Queries, Ranking]) -> None:

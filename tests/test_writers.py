@@ -242,6 +242,22 @@ def test_a_failed_lance_commit_reaches_the_caller_and_changes_nothing(tmp_path):
     assert ids_of(tmp_path, "vectors.lance") == ["old"]
 
 
+def test_a_lance_io_failure_is_one_user_error_and_changes_nothing(tmp_path):
+    write(tmp_path, "vectors.lance", ["old"])
+    store = open_store(str(tmp_path / "vectors.lance"), schema(), commit_rows=1)
+    data = tmp_path / "vectors.lance" / "data"
+    data.rename(tmp_path / "data.aside")
+    data.write_text("a file where Lance writes its data files")  # an I/O error that root meets too
+    with pytest.raises(UserError) as error:
+        store.write(batch(["new"]))
+    store.abort()
+    data.unlink()
+    (tmp_path / "data.aside").rename(data)
+    assert str(error.value).startswith(f"cannot write {tmp_path}/vectors.lance (")
+    assert str(error.value).endswith("; check free space and permissions") and "LanceError" not in str(error.value)
+    assert ids_of(tmp_path, "vectors.lance") == ["old"]
+
+
 def test_unknown_output_name(tmp_path):
     with pytest.raises(UserError, match=r"cannot tell what kind of output .*vectors\.csv.*\.lance.*\.parquet"):
         open_store(str(tmp_path / "vectors.csv"), schema())

@@ -68,6 +68,7 @@ DtypeOpt = Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (defau
 # The engine's options, the same for every command that loads a model.
 BatchTokensOpt = Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU).")]
 MaxSeqsOpt = Annotated[int, typer.Option(help="Sequences per engine step.")]
+LanesOpt = Annotated[int, typer.Option(help="CUDA streams that batches in flight run on at once (GPU only).")]
 MaxLengthOpt = Annotated[Optional[int], typer.Option(help="Truncate at this many tokens, at most the model's positions (default: the model's max length).")]
 DimOpt = Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka), re-normalised when normalising.")]
 AttentionOpt = Annotated[str, typer.Option(help="auto, sdpa, varlen or flashinfer.")]
@@ -96,6 +97,7 @@ def index(
     on_duplicate: Annotated[OnDuplicate, typer.Option(help="Repeated ids: error, or skip all but the first.")] = OnDuplicate.error,
     max_batch_tokens: BatchTokensOpt = None,
     max_seqs: MaxSeqsOpt = 512,
+    lanes: LanesOpt = EngineConfig.lanes,
     max_length: MaxLengthOpt = None,
     dim: DimOpt = None,
     normalize: Annotated[Optional[bool], typer.Option("--normalize/--no-normalize", help="L2-normalise (default: as the model says).")] = None,
@@ -125,7 +127,7 @@ def index(
         _check_report_path(report)
         config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                               cuda_graphs=not eager, compile=fuse, warmup=warmup, attention=attention, normalize=normalize,
-                              dim=dim, max_length=max_length)
+                              dim=dim, max_length=max_length, lanes=lanes)
         options = IndexOptions(source=source, out=out, table=table, text_col=text_col, id_col=id_col,
                                keep=tuple(keep or ()), prompt=doc_prompt, prompt_name=doc_prompt_name, rebuild=rebuild, prune=prune,
                                commit_rows=commit_rows, on_long=on_long.value, on_empty=on_empty.value,
@@ -233,6 +235,9 @@ def serve(
                                                    help="Require 'Authorization: Bearer KEY' on everything but /health.")] = None,
     max_batch_tokens: BatchTokensOpt = None,
     max_seqs: MaxSeqsOpt = 512,
+    # One lane: every extra lane captures its own graph of each shape while requests wait, and under
+    # load that cost more than the overlap gained (bench/results/gpu-2026-11-30-run46-serve-lanes).
+    lanes: LanesOpt = 1,
     max_client_batch: Annotated[int, typer.Option(help="Inputs per request; more get 413.")] = 512,
     max_request_bytes: Annotated[int, typer.Option(help="Request body size; larger gets 413.")] = 4 << 20,
     max_queue: Annotated[int, typer.Option(help="Sequences admitted and not yet answered, over all clients; past it 429.")] = 8192,
@@ -254,7 +259,7 @@ def serve(
     def run() -> None:
         config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                               cuda_graphs=not eager, compile=fuse, warmup=warmup, attention=attention,
-                              normalize=normalize, dim=dim, max_length=max_length)
+                              normalize=normalize, dim=dim, max_length=max_length, lanes=lanes)
         limits = ServeLimits(max_client_batch=max_client_batch, max_request_bytes=max_request_bytes, max_queue=max_queue)
         run_server(model, config, ServeOptions(host=host, port=port, api_key=api_key, limits=limits, access_log=access_log,
                                                tokenizer_processes=tokenizer_processes))

@@ -38,7 +38,8 @@ class EngineConfig:
     dim: keep the first `dim` components (Matryoshka), then re-normalise if normalising.
     max_length: truncate inputs to this many tokens; None follows the model's config.
     pinned_slots: page-locked host buffers in the readback ring (batches in flight).
-    lanes: CUDA streams that batches in flight run on at once (GPU only; engine.graphs says why).
+    lanes: CUDA streams that batches in flight run on at once (GPU only; engine.graphs says why and
+        what was measured). 3 for batch work; `embedctl serve` runs one.
     """
 
     device: str | None = None
@@ -53,7 +54,7 @@ class EngineConfig:
     dim: int | None = None
     max_length: int | None = None
     pinned_slots: int = 4
-    lanes: int = 2
+    lanes: int = 3
 
     def __post_init__(self) -> None:
         if self.dtype is not None and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:

@@ -60,7 +60,7 @@ class Engine:
         self.attention = choose_backend(config.attention, device, model.head_dim)
         self.prune = prunes_last_layer(self.pooling, model.causal)
         self.runner: GraphRunner | None = None
-        self._flashinfer_workspaces: dict[int, torch.Tensor] = {}  # per lane: batches on two lanes run at once
+        self._flashinfer_workspaces: dict[int, torch.Tensor] = {}  # per lane: batches on several lanes run at once
         if device.type == "cuda":
             self.runner = GraphRunner(self.forward, self._make_attention, self.max_batch_tokens, config.max_seqs,
                                       self.max_length, device, config.cuda_graphs, config.lanes)

@@ -16,12 +16,15 @@ work (Qwen3-0.6B: about 15 TFLOP at 16k tokens, some 25 ms on an H200), so launc
 kernels from Python hides behind the GPU and a graph would save nothing, while each of the 64 buckets
 between 16k and 32k tokens would hold a graph (and its activations) for inputs that are rare.
 Batches run on lanes: CUDA streams of their own, each with its own input buffers, graphs, memory
-pool and attention scratch, so that two batches in flight run at the same time. A batch takes the
-first lane with nothing left to do, so one batch at a time (a lone query) always runs on lane 0 and
-its graphs, while a stream of batches alternates lanes and the second batch's kernels fill the gaps
-and tails of the first's (run_on_gpu results: bench/results/README.md, the lanes rows). A shape's
-hits count across lanes: its first hit runs eagerly, and each lane captures its own graph of it on
-the first hit it gets after that. Inputs reach the device through two alternating page-locked
+pool and attention scratch, so that batches in flight run at the same time and one batch's kernels
+fill the gaps and tails between another's. A batch takes the first lane with nothing left to do, so
+one batch at a time (a lone query) always runs on lane 0 and its graphs, while a stream of batches
+spreads over the lanes. A shape's hits count across lanes: its first hit runs eagerly, and each lane
+captures its own graph of it on the first hit it gets after that. On the H200, model-only tokens/s
+at a 16,384-token budget (bench/results/gpu-2026-11-30-run41-lanes and run42-lanes-budget, each a
+same-run comparison): MiniLM 10.68M on one lane, 11.69M on two, 12.07M on three; BERT-base 2.33M,
+2.73M, 2.87M. A server is the exception (embedctl serve runs one lane): there each extra lane's
+captures stall live requests (run46). Inputs reach the device through two alternating page-locked
 staging buffers per lane and one copy per batch; a graph reads them from fixed device addresses.
 Not here: the model, attention kernels, readback (engine.lazy).
 """
@@ -108,13 +111,16 @@ class _Graph:
 
 
 class _Lane:
-    """A CUDA stream and what a batch running on it owns: nothing here is shared with another lane."""
+    """A CUDA stream and what a batch running on it owns: nothing here is shared with another lane.
+
+    Its graphs are captured on its own stream, not on torch's shared capture stream, because cuBLAS
+    takes its scratch workspace per stream: graphs captured on one stream would all write the same
+    workspace, and two lanes replaying at once would corrupt each other's split-K GEMMs.
+    """
 
     def __init__(self, index: int, size: int, device: torch.device, make_attention: MakeAttention) -> None:
         self.index = index
         self.stream = torch.cuda.Stream(device)
-        # Weights and buffers were made on the stream current now; the lane's first batch must see them.
-        self.stream.wait_stream(torch.cuda.current_stream(device))
         self.staging = [torch.empty(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
         self.staging_host = [buffer.numpy() for buffer in self.staging]
         self.staged = [torch.cuda.Event() for _ in self.staging]
@@ -123,7 +129,9 @@ class _Lane:
         self.eager_attention = make_attention(None, index)
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.done = torch.cuda.Event()  # recorded after the lane's last batch
+        self.done = torch.cuda.Event()  # recorded after the lane's last batch's compute
+        # The weights and the buffers above were made on the stream current now; the lane must see them.
+        self.stream.wait_stream(torch.cuda.current_stream(device))
         self.done.record(self.stream)
         self.batches = 0
 
@@ -161,7 +169,7 @@ class GraphRunner:
         return output, lane.stream
 
     def _free_lane(self) -> _Lane:
-        """The first lane with nothing left to do, else the one after the lane used last."""
+        """The first lane whose last batch has been computed, else the one after the lane used last."""
         for lane in self.lanes:
             if lane.done.query():
                 break
@@ -189,18 +197,24 @@ class GraphRunner:
         return graph.output
 
     def capture_all(self, max_tokens: int) -> None:
-        """Capture every shape up to GRAPH_MAX_TOKENS on every lane now (warm-up), each with a dummy batch of that shape."""
+        """Capture every shape up to GRAPH_MAX_TOKENS now (warm-up), each with a dummy batch of that shape.
+
+        On the first lane only, which is where a batch goes whenever the device keeps up: every shape
+        on every lane would multiply the graphs' memory (with FlashInfer, 8-16 MiB of plan buffers per
+        shape on the device and as much page-locked on the host) by the lane count. Other lanes capture
+        a shape when a batch of it first reaches them.
+        """
+        lane = self.lanes[0]
         for tokens, slots in all_shapes(min(max_tokens, GRAPH_MAX_TOKENS), self.max_seqs, self.max_seqlen):
             for seqlen in all_seqlens(tokens, self.max_seqlen):
                 shape = (tokens, slots, seqlen)
                 self.hits[shape] = max(self.hits.get(shape, 0), 1)
                 dummy = PackedBatch.of([np.zeros(min(tokens // slots, self.max_seqlen), dtype=np.int32)] * slots)
-                for lane in self.lanes:
+                with torch.cuda.stream(lane.stream):
                     graph = self._graph(lane, shape)
                     if graph.graph is None:
-                        with torch.cuda.stream(lane.stream):
-                            graph.attention.plan(self._stage(lane, dummy, *shape))
-                            self._capture(lane, shape, graph)
+                        graph.attention.plan(self._stage(lane, dummy, *shape))
+                        self._capture(lane, shape, graph)
 
     def _graph(self, lane: _Lane, shape: tuple[int, int, int]) -> _Graph:
         if shape not in lane.graphs:
@@ -231,8 +245,10 @@ class GraphRunner:
         # One eager pass at the shape first, so lazy library setup stays out of the graph.
         self.forward(lane.inputs, tokens, slots, graph.attention)
         torch.cuda.synchronize(self.device)
-        graph.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph.graph, pool=lane.pool):
-            graph.output = self.forward(lane.inputs, tokens, slots, graph.attention)
+        captured = torch.cuda.CUDAGraph()
+        # thread_local: another thread may wait on an earlier batch's event meanwhile (the index writer does).
+        with torch.cuda.graph(captured, pool=lane.pool, stream=lane.stream, capture_error_mode="thread_local"):
+            output = self.forward(lane.inputs, tokens, slots, graph.attention)
+        graph.graph, graph.output = captured, output  # only once captured: a failed capture leaves none to replay
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - started

@@ -21,6 +21,7 @@ prints the report last. `--smoke` runs tiny sizes on any device to check the scr
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 import time
@@ -51,7 +52,8 @@ def main() -> None:
     args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    texts = pq.read_table(args.corpus, columns=["text"]).column("text").to_pylist()[: args.docs]
+    corpus = pq.read_table(args.corpus, columns=["text"]).column("text").to_pylist()
+    texts = list(itertools.islice(itertools.cycle(corpus), args.docs))  # a smaller corpus is repeated
     results: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                      "torch": torch.__version__, "docs": len(texts), "models": {}}
     scratch = Path(tempfile.mkdtemp(prefix="embedctl-bench-"))
@@ -269,22 +271,29 @@ def saturation_suite(engine: Engine, ids: list[np.ndarray], smoke: bool) -> dict
         if tokens > engine.max_batch_tokens:
             break
         batch = batch_of(ids, tokens)
-        for _ in range(2):  # eager, then a capture on each lane: batches in flight alternate lanes
-            [engine.step(batch) for _ in range(4)][-1].result()
+        for _ in range(2):  # eager, then captures on the lanes the batches in flight take
+            burst(engine, batch, 4)
         steps = 3 if smoke else max(20, 400_000 // tokens)
-        seconds = timed(lambda: [engine.step(batch) for _ in range(steps)][-1].result())
+        seconds = timed(lambda: burst(engine, batch, steps))
         suite[tokens] = tokens * steps / seconds
     if not smoke:
         uncompiled = load(engine.files.path, engine.attention, compile=False, lanes=engine.config.lanes,
                           max_batch_tokens=engine.max_batch_tokens)
         batch = batch_of(ids, engine.max_batch_tokens)
         for _ in range(2):
-            [uncompiled.step(batch) for _ in range(4)][-1].result()
+            burst(uncompiled, batch, 4)
         steps = 40
-        seconds = timed(lambda: [uncompiled.step(batch) for _ in range(steps)][-1].result())
+        seconds = timed(lambda: burst(uncompiled, batch, steps))
         suite[f"{batch.num_tokens}_uncompiled"] = batch.num_tokens * steps / seconds
     print(f"saturation: {json.dumps(suite)}", flush=True)
     return suite
+
+
+def burst(engine: Engine, batch: PackedBatch, steps: int) -> None:
+    """`steps` steps of one batch in flight at once, every result read: on several lanes the last
+    batch enqueued can finish before an earlier one."""
+    for lazy in [engine.step(batch) for _ in range(steps)]:
+        lazy.result()
 
 
 def graphs_suite(args, engine: Engine, path: Path) -> dict:

@@ -3,7 +3,7 @@
 One run, one GPU, the same random-weight checkpoint (bf16; random weights time like real ones) and the
 same pre-tokenized inputs, so both sides are model-only (no tokenizer, no files):
   throughput  --docs documents of 512 tokens: ours through Engine.embed at a 16,384-token budget
-              (CUDA graphs; on two lanes, the default, and on one: engine.graphs) and at the model's
+              (CUDA graphs; on the default lanes and on one: engine.graphs) and at the model's
               default budget (32,768 tokens: eager steps, see engine.graphs); sentence-transformers'
               forward on padding-free batches of 128
   latency     batch 1 at 128, 512 and 4,096 tokens (the design's low-latency suite), p50/p99 ms,

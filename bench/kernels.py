@@ -661,7 +661,8 @@ def layer_breakdown(repeats: int, configs: tuple = BREAKDOWN_CONFIGS) -> list[Ro
         # Qwen3 as bench/gpu_qwen3.py runs it with graphs: a 16,384-token budget and max length.
         options = {"max_batch_tokens": 16384, "max_length": 16384} if model.startswith("Qwen3") else {}
         try:
-            engine = Engine.load(str(model_dir(model)), EngineConfig(attention=backend, **options))
+            # One lane: a profile of one step's kernels, which further lanes would overlap with the next step's.
+            engine = Engine.load(str(model_dir(model)), EngineConfig(attention=backend, lanes=1, **options))
             for seqs, length in batches:
                 label = f"{model} {engine.attention} {seqs}x{length}"
                 try:
@@ -679,7 +680,7 @@ def big_batches(repeats: int) -> list[Row]:
     rows: list[Row] = []
     for model, length in (("MiniLM-L6", 256), ("BERT-base", 512)):
         try:
-            engine = Engine.load(str(model_dir(model)), EngineConfig(max_batch_tokens=65536))
+            engine = Engine.load(str(model_dir(model)), EngineConfig(max_batch_tokens=65536, lanes=1))
             for tokens in (16384, 32768, 65536):
                 rows.append({"model": model, "attention": engine.attention, "tokens": tokens,
                              "batch": f"{tokens // length}x{length}", **steps_per_second(engine, tokens // length, length)})
@@ -698,8 +699,8 @@ def steps_per_second(engine: Engine, seqs: int, length: int, steps: int = 20) ->
     replays, eager = engine.stats.replays, engine.stats.eager_runs
     torch.cuda.synchronize()
     started = time.perf_counter()
-    pending = [engine.step(batch) for _ in range(steps)]
-    pending[-1].result()
+    for lazy in [engine.step(batch) for _ in range(steps)]:
+        lazy.result()
     seconds = time.perf_counter() - started
     if engine.stats.replays - replays == steps:
         ran = "graph replay"

@@ -148,6 +148,14 @@ class EmbedRequest(_Strict):
     truncate: bool = True
     dimensions: int | None = Field(default=None, ge=1)
 
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs_shape(cls, value: Any) -> Any:
+        # one message instead of pydantic's per-branch ones ("inputs.str: ...; inputs.list[str].0: ...")
+        if isinstance(value, str) or _list_of(value, str):
+            return value
+        raise ValueError("must be a string or a list of strings (token ids go to POST /v1/embeddings)")
+
 
 class RerankRequest(_Strict):
     query: str
@@ -555,7 +563,7 @@ class _Front:
                  max_bytes: int, metrics: _Metrics) -> None:
         self.api = api
         self.routes = routes
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.api_key = api_key.encode() if api_key else None
         self.max_bytes = max_bytes
         self.metrics = metrics
 
@@ -617,14 +625,19 @@ class _Front:
     def _refusal(self, scope: Scope) -> ApiError | None:
         """What refuses the request before its body is read: a missing or wrong key, a too-large Content-Length."""
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] not in OPEN_PATHS and not secrets.compare_digest(
-                headers.get(b"authorization", b""), self.expected):
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(
+                headers.get(b"authorization", b"")):
             return ApiError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
                             {"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return ApiError(413, self._too_large())
         return None
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, key = header.partition(b" ")
+        # The scheme is case-insensitive (RFC 9110, 11.1): some clients send "bearer KEY".
+        return scheme.lower() == b"bearer" and secrets.compare_digest(key.lstrip(b" "), self.api_key)
 
     def _too_large(self) -> str:
         return (f"the request body is larger than this server's --max-request-bytes {self.max_bytes}; "

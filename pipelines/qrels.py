@@ -109,7 +109,7 @@ def _parse(path: str, number: int, line: str) -> tuple[str, str, int]:
     if line.lstrip().startswith("{"):
         try:
             row = json.loads(line)
-            return str(row["query_id"]), str(row["doc_id"]), int(row.get("relevance", 1))
+            return str(row["query_id"]), str(row["doc_id"]), _json_relevance(row.get("relevance", 1))
         except (ValueError, KeyError, TypeError):
             raise UserError(f"--qrels {path} line {number}: not a JSON object with query_id, doc_id and an integer "
                             "relevance; fix the line") from None
@@ -118,6 +118,20 @@ def _parse(path: str, number: int, line: str) -> tuple[str, str, int]:
         raise UserError(f"--qrels {path} line {number}: expected 'query_id iteration doc_id relevance' "
                         f"with an integer relevance, got {line.strip()[:80]!r}; fix the line")
     return fields[0], fields[2], int(fields[3])
+
+
+def _json_relevance(value: object) -> int:
+    """An integer relevance, as a JSON number without a fraction (1 or 1.0) or a string of digits.
+
+    int() alone would turn 0.5 into 0 (a relevant document judged irrelevant) and true into 1.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and _is_int(value):
+        return int(value)
+    raise ValueError(f"relevance {value!r} is not an integer")
 
 
 def _is_int(text: str) -> bool:

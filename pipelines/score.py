@@ -260,7 +260,7 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
         for chunk in docs:
             rows = []
             for row, (doc_id, text) in enumerate(zip(chunk.ids, chunk.texts)):
-                if not text or text.isspace():
+                if _blank(text):
                     skipped += 1
                     continue
                 if doc_id in seen:
@@ -349,7 +349,9 @@ def document_texts(inputs: Inputs, wanted: set[str]) -> dict[str, str]:
         return inputs.table.texts(wanted)
     texts = {}
     for chunk in inputs.docs:
-        texts.update((doc_id, text) for doc_id, text in zip(chunk.ids, chunk.texts) if doc_id in wanted)
+        # A blank row was skipped by rank(), so one that shares a ranked document's id must not replace its text.
+        texts.update((doc_id, text) for doc_id, text in zip(chunk.ids, chunk.texts)
+                     if doc_id in wanted and not _blank(text))
     missing = wanted - texts.keys()
     if missing:
         raise UserError(f"{len(missing)} documents of --index {inputs.table.path} are not in {inputs.docs.files[0]}"
@@ -430,7 +432,7 @@ def _read_queries(options: ScoreOptions) -> Queries:
     seen: set[str] = set()
     for chunk in reader:
         for row, (query_id, text) in enumerate(zip(chunk.ids, chunk.texts)):
-            if not text or text.isspace():
+            if _blank(text):
                 raise UserError(f"{chunk.where(row)}: empty query text (id {query_id!r}); "
                                 "give the query a text or remove it")
             if query_id in seen:
@@ -442,6 +444,10 @@ def _read_queries(options: ScoreOptions) -> Queries:
     if not ids:
         raise UserError(f"{options.queries} holds no queries; give a file with at least one query")
     return Queries(ids, texts)
+
+
+def _blank(text: str | None) -> bool:
+    return not text or text.isspace()
 
 
 def _check_id(chunk: Chunk, row: int, run_format: str) -> None:

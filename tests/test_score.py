@@ -424,9 +424,26 @@ def _rerank_depth_below_top_k(tmp: Path) -> tuple[list, list[str]]:
     return ["queries.jsonl", "docs.jsonl", "--reranker", "x", "--rerank-depth", "5"], ["--rerank-depth 5 is below --top-k 10"]
 
 
+def _qrels_with_relevance(tmp: Path, relevance: str) -> list:
+    _good_queries(tmp)
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    (tmp / "qrels.jsonl").write_text(f'{{"query_id": "q1", "doc_id": "a0", "relevance": {relevance}}}\n')
+    return ["queries.jsonl", "docs.jsonl", "--qrels", "qrels.jsonl"]
+
+
+def _qrels_relevance_a_fraction(tmp: Path) -> tuple[list, list[str]]:
+    # int() made 0.5 a 0: a relevant document judged irrelevant, without a word
+    return _qrels_with_relevance(tmp, "0.5"), ["qrels.jsonl line 1", "integer relevance", "fix the line"]
+
+
+def _qrels_relevance_infinite(tmp: Path) -> tuple[list, list[str]]:
+    # 1e400 reads as float infinity, which int() refused with an OverflowError traceback
+    return _qrels_with_relevance(tmp, "1e400"), ["qrels.jsonl line 1", "integer relevance", "fix the line"]
+
+
 BAD_INPUTS = [_duplicate_query_ids, _duplicate_doc_ids, _no_queries, _no_documents, _top_k_zero, _existing_out,
               _whitespace_id_in_trec, _no_docs_and_no_index, _qrels_for_unknown_queries, _reranker_is_not_a_cross_encoder,
-              _rerank_depth_below_top_k]
+              _rerank_depth_below_top_k, _qrels_relevance_a_fraction, _qrels_relevance_infinite]
 
 
 @pytest.fixture(scope="module")
@@ -469,6 +486,18 @@ def test_reranked_run_with_metrics_and_report(cli_runs: dict) -> None:
     hits = {q: [r["doc_id"] for r in rows if r["query_id"] == q] for q in wanted}
     assert report["metrics"]["recall@10"] == pytest.approx(np.mean([wanted[q] in hits[q] for q in wanted]), abs=1e-6)
     assert f"Recall@10 {report['metrics']['recall@10']:.4f}" in result.stderr and "nDCG@10" in result.stderr
+
+
+def test_a_blank_row_sharing_a_ranked_id_does_not_replace_its_text_for_the_reranker(tmp_path: Path) -> None:
+    _good_queries(tmp_path)
+    reranker = save_random_model(tmp_path / "reranker", "BertForSequenceClassification", num_labels=1, type_vocab_size=2)
+    write_jsonl(tmp_path / "docs.jsonl", good_rows("a"))
+    write_jsonl(tmp_path / "with_blank.jsonl", [*good_rows("a"), {"id": "a0", "text": "  "}])
+    runs = [embedctl_score("queries.jsonl", docs, "--reranker", reranker, "--top-k", "2", cwd=tmp_path)
+            for docs in ("docs.jsonl", "with_blank.jsonl")]
+    assert [run.returncode for run in runs] == [0, 0], runs[1].stderr
+    assert "1 empty documents skipped" in runs[1].stderr
+    assert runs[1].stdout == runs[0].stdout  # a0 reranked by its own text, not by the blank row's
 
 
 def test_judged_documents_outside_the_ranked_set_warn_in_one_line_and_score_as_trec_eval(tmp_path: Path) -> None:

@@ -230,6 +230,8 @@ ERRORS = [
     ("not an object", "/embed", b"[1, 2]", KEY, 422, "JSON object"),
     ("wrong input type", "/v1/embeddings", {"input": 5}, KEY, 422, "input: must be a string"),
     ("mixed input", "/v1/embeddings", {"input": ["a", 1]}, KEY, 422, "list of token ids"),
+    ("null inputs", "/embed", {"inputs": None}, KEY, 422, "inputs: must be a string or a list of strings"),
+    ("token ids to /embed", "/embed", {"inputs": [101, 102]}, KEY, 422, "token ids go to POST /v1/embeddings"),
     ("wrong flag type", "/embed", {"inputs": "x", "normalize": "yes"}, KEY, 422, "normalize"),
     ("misspelt field", "/embed", {"inputs": "x", "normalise": False}, KEY, 422, "normalise: is not a field"),
     ("missing field", "/rerank", {"texts": ["a"]}, KEY, 422, "query"),
@@ -269,6 +271,17 @@ def test_bad_requests_get_their_status_and_message(server: Server, texts, indexe
         after = client.post("/embed", json={"inputs": texts[5]})
     assert after.status_code == 200
     np.testing.assert_allclose(after.json()[0], indexed[0][5], atol=1e-5)
+
+
+@pytest.mark.parametrize("header, status", [(f"bearer {KEY}", 200), (f"BEARER  {KEY}", 200), (f"Basic {KEY}", 401)])
+def test_the_key_counts_under_the_bearer_scheme_in_any_case(server: Server, texts, indexed, header: str,
+                                                             status: int) -> None:
+    reply = httpx.post(server.url + "/embed", json={"inputs": texts[5]}, headers={"Authorization": header})
+    assert reply.status_code == status, reply.text
+    if status == 200:
+        np.testing.assert_allclose(reply.json()[0], indexed[0][5], atol=1e-5)
+    else:
+        assert "Authorization: Bearer" in reply.json()["error"]["message"]
 
 
 def test_body_without_length_is_cut_off_at_the_limit(client: httpx.Client) -> None:

@@ -632,6 +632,12 @@ class _Front:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return ApiError(413, self._too_large())
+        content_type = headers.get(b"content-type")
+        # As FastAPI and TEI do: a declared type must be JSON (no type is read as JSON). A web page can
+        # send a text/plain POST to a loopback server without asking first; it cannot send JSON so.
+        if scope["path"] in self.routes and content_type is not None and not _is_json(content_type):
+            return ApiError(415, f"Content-Type {content_type.decode('latin-1')!r} is not JSON; "
+                                 "send the body with the header 'Content-Type: application/json'")
         return None
 
     def _authorized(self, header: bytes) -> bool:
@@ -642,6 +648,11 @@ class _Front:
     def _too_large(self) -> str:
         return (f"the request body is larger than this server's --max-request-bytes {self.max_bytes}; "
                 "send fewer or shorter inputs per request")
+
+
+def _is_json(content_type: bytes) -> bool:
+    media = content_type.split(b";")[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
 
 
 async def _reply(send: Send, status: int, content: bytes, headers: dict[str, str] | None = None) -> int:

@@ -256,6 +256,18 @@ ERRORS = [
 ]
 
 
+def test_a_body_declared_as_not_json_gets_415_and_one_declared_as_nothing_is_read_as_json(server: Server, texts, indexed) -> None:
+    body = json.dumps({"inputs": texts[5]}).encode()
+    with server.client() as client:
+        refused = client.post("/embed", content=body, headers={"Content-Type": "text/plain"})
+        assert refused.status_code == 415
+        assert "'Content-Type: application/json'" in refused.json()["error"]["message"]
+        for declared in ({}, {"Content-Type": "application/json; charset=utf-8"}):
+            reply = client.post("/embed", content=body, headers=declared)
+            assert reply.status_code == 200, reply.text
+            np.testing.assert_allclose(reply.json()[0], indexed[0][5], atol=1e-5)
+
+
 @pytest.mark.parametrize("path, body, key, status, phrase", [case[1:] for case in ERRORS], ids=[case[0] for case in ERRORS])
 def test_bad_requests_get_their_status_and_message(server: Server, texts, indexed, path, body, key, status, phrase) -> None:
     with server.client(key) as client:

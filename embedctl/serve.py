@@ -247,7 +247,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     async def rerank(body: RerankRequest) -> None:
         """Documents sorted by relevance to the query, best first (ties in input order)."""
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers and uptime checks often probe with HEAD
     async def health() -> JSONResponse:
         """200 once the model is warmed up; 503 before."""
         if service.warm_error is not None:

@@ -207,6 +207,7 @@ def test_rerank_sorts_documents_by_cosine(client: httpx.Client, texts, indexed) 
 
 def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, minilm_dir: Path) -> None:
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # no key needed
+    assert httpx.head(server.url + "/health").status_code == 200
     assert [model["id"] for model in client.get("/v1/models").json()["data"]] == [str(minilm_dir)]
     text = client.get("/metrics").text
     for family in ("embedctl_requests_total", "embedctl_request_duration_seconds_bucket", "embedctl_queue_depth",

@@ -49,8 +49,8 @@ def main() -> None:
     servers = {"embedctl": ours_command(args.minilm)}
     if args.also_in_process:
         servers["embedctl --tokenizer-processes 0"] = [*ours_command(args.minilm), "--tokenizer-processes", "0"]
-    if args.also_one_lane:
-        servers["embedctl --lanes 1"] = [*ours_command(args.minilm), "--lanes", "1"]
+    if args.also_lanes is not None:
+        servers[f"embedctl --lanes {args.also_lanes}"] = [*ours_command(args.minilm), "--lanes", str(args.also_lanes)]
     if args.peers:
         servers["sentence-transformers"] = [sys.executable, "-m", "bench.serve_bench", "--minilm", str(args.minilm),
                                             "--peer-port", "{port}"]
@@ -76,7 +76,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="measure embedctl only")
     parser.add_argument("--also-in-process", action="store_true",
                         help="also measure embedctl with --tokenizer-processes 0 (no tokenizer worker processes)")
-    parser.add_argument("--also-one-lane", action="store_true", help="also measure embedctl with --lanes 1 (one CUDA stream)")
+    parser.add_argument("--also-lanes", type=int, default=None,
+                        help="also measure embedctl with --lanes N (serve's default is one lane)")
     parser.add_argument("--peer-port", type=int, default=None, help=argparse.SUPPRESS)  # run as the peer server
     args = parser.parse_args()
     if args.minilm is None:

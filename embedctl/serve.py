@@ -154,7 +154,8 @@ class EmbedRequest(_Strict):
         # one message instead of pydantic's per-branch ones ("inputs.str: ...; inputs.list[str].0: ...")
         if isinstance(value, str) or _list_of(value, str):
             return value
-        raise ValueError("must be a string or a list of strings (token ids go to POST /v1/embeddings)")
+        hint = " (token ids go to POST /v1/embeddings)" if _list_of(value, int) else ""
+        raise ValueError(f"must be a string or a list of strings{hint}")
 
 
 class RerankRequest(_Strict):
@@ -247,7 +248,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     async def rerank(body: RerankRequest) -> None:
         """Documents sorted by relevance to the query, best first (ties in input order)."""
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers and uptime checks often probe with HEAD
+    @app.get("/health")
     async def health() -> JSONResponse:
         """200 once the model is warmed up; 503 before."""
         if service.warm_error is not None:
@@ -255,6 +256,10 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
         if not service.ready:
             return JSONResponse({"status": "warming up"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.head("/health", include_in_schema=False)  # load balancers and uptime checks often probe with HEAD
+    async def health_head() -> JSONResponse:
+        return await health()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -623,7 +628,8 @@ class _Front:
                 return b"".join(chunks)  # the one chunk itself when there is only one
 
     def _refusal(self, scope: Scope) -> ApiError | None:
-        """What refuses the request before its body is read: a missing or wrong key, a too-large Content-Length."""
+        """What refuses the request before its body is read: a missing or wrong key, a too-large
+        Content-Length, a POST whose declared Content-Type is not JSON."""
         headers = dict(scope["headers"])
         if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(
                 headers.get(b"authorization", b"")):
@@ -633,9 +639,10 @@ class _Front:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return ApiError(413, self._too_large())
         content_type = headers.get(b"content-type")
-        # As FastAPI and TEI do: a declared type must be JSON (no type is read as JSON). A web page can
-        # send a text/plain POST to a loopback server without asking first; it cannot send JSON so.
-        if scope["path"] in self.routes and content_type is not None and not _is_json(content_type):
+        # As TEI does (FastAPI refuses too, with a 422): a declared type must be JSON; none, or an empty
+        # one, is read as JSON. A web page can send a text/plain POST to a loopback server without
+        # asking first; it cannot send JSON so.
+        if scope["method"] == "POST" and scope["path"] in self.routes and content_type and not _is_json(content_type):
             return ApiError(415, f"Content-Type {content_type.decode('latin-1')!r} is not JSON; "
                                  "send the body with the header 'Content-Type: application/json'")
         return None

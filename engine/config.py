@@ -75,7 +75,7 @@ class EngineConfig:
         if self.pinned_slots < 2:
             raise UserError("pinned_slots must be at least 2 so one batch can be read back while the next runs")
         if self.lanes < 1:
-            raise UserError(f"lanes must be at least 1, not {self.lanes}")
+            raise UserError(f"--lanes must be at least 1, not {self.lanes}")
 
     def torch_device(self) -> torch.device:
         import torch

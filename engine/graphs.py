@@ -21,9 +21,9 @@ fill the gaps and tails between another's. A batch takes the first lane with not
 one batch at a time (a lone query) always runs on lane 0 and its graphs, while a stream of batches
 spreads over the lanes. A shape's hits count across lanes: its first hit runs eagerly, and each lane
 captures its own graph of it on the first hit it gets after that. On the H200, model-only tokens/s
-at a 16,384-token budget (bench/results/gpu-2026-11-30-run41-lanes and run42-lanes-budget, each a
-same-run comparison): MiniLM 10.68M on one lane, 11.69M on two, 12.07M on three; BERT-base 2.33M,
-2.73M, 2.87M. A server is the exception (embedctl serve runs one lane): there each extra lane's
+at a 16,384-token budget, each pair from one run: one lane against two (bench/results/
+gpu-2026-11-30-run41-lanes) MiniLM 10.68M / 11.69M, BERT-base 2.33M / 2.73M; two against three
+(run42-lanes-budget) MiniLM 11.68M / 12.07M, BERT-base 2.76M / 2.87M. A server is the exception (embedctl serve runs one lane): there each extra lane's
 captures stall live requests (run46). Inputs reach the device through two alternating page-locked
 staging buffers per lane and one copy per batch; a graph reads them from fixed device addresses.
 Not here: the model, attention kernels, readback (engine.lazy).
@@ -150,7 +150,7 @@ class GraphRunner:
         self.stats = GraphStats()
         size = 4 * bucket_for(max_tokens) + max_seqs + 1
         self.lanes = [_Lane(index, size, device, make_attention) for index in range(lanes)]
-        self.last_lane = lanes - 1
+        self.last_used = lanes - 1
         self.hits: dict[tuple[int, int, int], int] = {}
 
     def run(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.cuda.Stream]:
@@ -174,8 +174,8 @@ class GraphRunner:
             if lane.done.query():
                 break
         else:
-            lane = self.lanes[(self.last_lane + 1) % len(self.lanes)]
-        self.last_lane = lane.index
+            lane = self.lanes[(self.last_used + 1) % len(self.lanes)]
+        self.last_used = lane.index
         return lane
 
     def _run(self, lane: _Lane, batch: PackedBatch) -> torch.Tensor:

@@ -63,7 +63,7 @@ class Metrics:
 def read_qrels(path: str, query_ids: Sequence[str]) -> Qrels:
     """The judgements in path; a query the run does not have is an error (a wrong file or id column)."""
     try:
-        with fsspec.open(path, "rt", encoding="utf-8") as handle:
+        with fsspec.open(path, "rt", encoding="utf-8-sig") as handle:  # -sig: a byte order mark is not part of line 1
             lines = handle.read().splitlines()
     except (OSError, ValueError, UnicodeDecodeError) as error:
         raise UserError(f"cannot read --qrels {path} ({short_reason(error)}); check the path") from None

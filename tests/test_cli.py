@@ -308,6 +308,13 @@ def test_the_bare_command_prints_its_help(tmp_path: Path) -> None:
     assert "Usage: embedctl [OPTIONS] COMMAND" in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("command, option", [("index", "--lanes"), ("serve", "--lanes"), ("score", "--top-k")])
+def test_help_exits_zero(tmp_path: Path, command: str, option: str) -> None:
+    result = run_cli(command, "--help", cwd=tmp_path)
+    assert result.returncode == 0 and result.stderr == ""
+    assert f"Usage: embedctl {command}" in result.stdout and option in result.stdout
+
+
 # The happy path: sample_data/corpus (a Parquet and a JSONL shard) plus a shard of empty texts.
 
 EMPTY_SHARD = [{"id": "e1", "text": "", "source": "x"}, {"id": "e2", "text": None, "source": "x"},

@@ -210,6 +210,12 @@ def test_jsonl_qrels_read_like_trec(tmp_path: Path) -> None:
     assert read_qrels(str(tmp_path / "qrels.jsonl"), ["q1", "q2"]) == {"q1": {"a": 2}, "q2": {"b": 1}}
 
 
+@pytest.mark.parametrize("name, text", [("qrels.txt", "q1 0 a 2\n"), ("qrels.jsonl", '{"query_id": "q1", "doc_id": "a", "relevance": 2}\n')])
+def test_qrels_starting_with_a_byte_order_mark_read_as_without(tmp_path: Path, name: str, text: str) -> None:
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())  # as Windows editors save UTF-8
+    assert read_qrels(str(tmp_path / name), ["q1"]) == {"q1": {"a": 2}}
+
+
 @pytest.mark.parametrize("text, phrases", [
     ("q9 0 a 1\n", ["judges 1 queries that are not in the query set", "'q9'"]),
     ("q1 0 a\n", ["line 1", "query_id iteration doc_id relevance"]),

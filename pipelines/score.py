@@ -254,6 +254,11 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
     if isinstance(docs, StoredVectors):
         docs.check_model(engine)
         for ids, vectors in docs.chunks(options.chunk_rows):
+            for doc_id in ids:  # embedctl writes unique ids; a table appended to by other means may not hold them
+                if doc_id in seen:
+                    raise UserError(f"--index {docs.path}: duplicate document id {doc_id!r}; rebuild the table with "
+                                    "`embedctl index --rebuild` from documents with unique ids")
+                seen.add(doc_id)
             doc_ids.extend(ids)
             top.add(_unit(torch.tensor(vectors, device=engine.device), normalized=False))
     else:

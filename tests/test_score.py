@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -312,6 +313,19 @@ def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_d
     other = embedctl.load(str(minilm_dir), device="cpu", dim=128)
     with pytest.raises(UserError, match="was built with dim '384' but the query model has '128'"):
         rank(other.engine, other.tokenizer, inputs.queries, inputs.table, options)
+
+
+def test_index_table_with_a_repeated_id_is_refused(sample_table: Path, tmp_path: Path, model: Embedder) -> None:
+    import lancedb
+
+    table = lancedb.connect(str(sample_table.parent)).open_table("vectors").to_arrow()
+    repeated = tmp_path / "repeated.parquet"  # as if a second run had been appended by hand
+    pq.write_table(pa.concat_tables([table, table.slice(7, 1)]), repeated)
+    options = ScoreOptions(queries=str(QUERIES), index=str(repeated))
+    inputs = open_inputs(options)
+    doc_id = table.column("id")[7].as_py()
+    with pytest.raises(UserError, match=f"duplicate document id '{doc_id}'; rebuild the table"):
+        rank(model.engine, model.tokenizer, inputs.queries, inputs.table, options)
 
 
 def test_score_against_a_table_embeds_queries_with_the_tables_settings(tmp_path: Path, minilm_dir: Path) -> None:

@@ -231,7 +231,8 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
         warm_up.cancel()
         await asyncio.get_running_loop().run_in_executor(None, service.stop)
 
-    app = FastAPI(title="embedctl", version="0.1.0", lifespan=lifespan,
+    # redirect_slashes off: POST /embed/ got a bodiless 307 that clients do not follow; now a JSON 404.
+    app = FastAPI(title="embedctl", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
                   description=f"Embeddings and ranking with {engine.files.name}.")
     app.add_exception_handler(HTTPException, _http_error)
 
@@ -382,7 +383,7 @@ class _Service:
             raise ApiError(400, f"{self.name} is a cross-encoder: it scores query-document pairs and has no vectors; "
                                 "call POST /rerank")
         if dimensions is not None and dimensions > self.engine.dim:
-            raise ApiError(422, f"dimensions {dimensions} is more than the model's {self.engine.dim}; "
+            raise ApiError(422, f"dimensions {_clipped(dimensions)} is more than the model's {self.engine.dim}; "
                                 f"ask for at most {self.engine.dim}")
 
     async def encode_input(self, value: str | list[str] | list[int] | list[list[int]]) -> Encoded:
@@ -655,6 +656,12 @@ class _Front:
     def _too_large(self) -> str:
         return (f"the request body is larger than this server's --max-request-bytes {self.max_bytes}; "
                 "send fewer or shorter inputs per request")
+
+
+def _clipped(number: int) -> str:
+    """A number as an error message shows it: a client's 400-digit one cut short."""
+    text = str(number)
+    return text if len(text) <= 20 else f"{text[:12]}... ({len(text)} digits)"
 
 
 def _is_json(content_type: bytes) -> bool:

@@ -254,6 +254,9 @@ ERRORS = [
     ("blank query", "/rerank", {"query": " ", "texts": ["a"]}, KEY, 422, "query is blank"),
     ("no such endpoint", "/v2/embeddings", {"input": "x"}, KEY, 404, "no such endpoint"),
     ("wrong method", "/embed", None, KEY, 405, "does not take that method"),
+    ("trailing slash", "/embed/", {"inputs": "x"}, KEY, 404, "no such endpoint"),
+    ("huge dimensions", "/v1/embeddings", {"input": "x", "dimensions": 10 ** 400}, KEY, 422,
+     "dimensions 100000000000... (401 digits) is more than the model's 384"),
 ]
 
 

@@ -83,9 +83,9 @@ class EngineConfig:
         if self.device is not None:
             try:
                 device = torch.device(self.device)
-            except RuntimeError:
-                raise UserError(f"--device {self.device} is not a device embedctl runs on; use cpu, cuda or cuda:N") from None
-            if device.type not in ("cpu", "cuda"):
+            except RuntimeError:  # not a device name torch knows at all
+                device = None
+            if device is None or device.type not in ("cpu", "cuda"):
                 raise UserError(f"--device {self.device} is not a device embedctl runs on; use cpu, cuda or cuda:N")
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise UserError(f"--device {self.device} asked for a GPU but CUDA is not available here; use --device cpu")

@@ -7,8 +7,11 @@ the first shard (which captures the CUDA graphs), then index the whole corpus, t
 the seconds to the first rows embedded. With --py-spy BINARY a second subprocess per setting runs
 the same with py-spy sampling the timed run (GIL holders only, per thread) into
 py-spy-SETTING.txt: the functions that hold the GIL longest, which bound a pipeline of threads.
+--models picks MiniLM (the --minilm directory) and/or a BERT-base-shaped model of random weights
+with MiniLM's tokenizer (random weights time like real ones; bench.gpu_engine builds it the same way).
 
-    python -m bench.index_host --minilm .bundle/minilm --corpus .bench-data/docstrings.parquet --docs 60000
+    python -m bench.index_host --minilm .bundle/minilm --corpus .bench-data/docstrings.parquet --docs 60000 \
+        [--models minilm,bert-base]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=60_000)
     parser.add_argument("--shard-docs", type=int, default=10_000)
     parser.add_argument("--processes", default="0,default", help="comma-separated --tokenizer-processes values")
+    parser.add_argument("--models", default="minilm", help="comma-separated: minilm, bert-base")
     parser.add_argument("--py-spy", type=Path, default=None, help="py-spy binary: also sample a run of each setting")
     parser.add_argument("--out", type=Path, default=Path("bench-out/index_host"))
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one run in this process
@@ -49,16 +53,28 @@ def main() -> None:
     results: dict = {"docs": args.docs, "runs": {}}
     with tempfile.TemporaryDirectory() as scratch:
         source = write_corpus(args.corpus, Path(scratch) / "corpus", args.docs, args.shard_docs)
-        for setting in args.processes.split(","):
-            command = [sys.executable, "-m", "bench.index_host", "--minilm", str(args.minilm), "--corpus",
-                       str(args.corpus), "--source", str(source), "--measure", setting, "--out", str(args.out)]
-            runs = [measure(command)]
-            if args.py_spy is not None:
-                runs.append(measure([*command, "--py-spy", str(args.py_spy)]))
-            results["runs"][setting] = runs
-            print(f"--tokenizer-processes {setting}: {json.dumps(runs)}", flush=True)
+        for name in args.models.split(","):
+            model = args.minilm if name == "minilm" else bert_base(args.minilm, Path(scratch))
+            for setting in args.processes.split(","):
+                command = [sys.executable, "-m", "bench.index_host", "--minilm", str(model), "--corpus",
+                           str(args.corpus), "--source", str(source), "--measure", setting, "--out", str(args.out)]
+                runs = [measure(command)]
+                if args.py_spy is not None:
+                    runs.append(measure([*command, "--py-spy", str(args.py_spy)]))
+                key = setting if name == "minilm" else f"{name} {setting}"
+                results["runs"][key] = runs
+                print(f"{name}, --tokenizer-processes {setting}: {json.dumps(runs)}", flush=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
 
+
+def bert_base(minilm: Path, scratch: Path) -> Path:
+    """A BERT-base-shaped checkpoint of random weights that tokenizes with MiniLM's tokenizer."""
+    os.environ["EMBEDCTL_TEST_MODEL"] = str(minilm)  # where tests.models takes the tokenizer files from
+    from tests.models import BERT_BASE, save_random_model
+
+    path = save_random_model(scratch / "bert-base", pooling="mean", normalize=True, **BERT_BASE)
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
+    return path
 
 def write_corpus(corpus: Path, directory: Path, docs: int, shard_docs: int) -> Path:
     texts = [t for t in pq.read_table(corpus, columns=["text"]).column("text").to_pylist() if t and not t.isspace()]

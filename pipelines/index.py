@@ -1,6 +1,7 @@
 """`embedctl index`: a corpus of shards in, a vector table kept up to date, every stage beside the engine.
 
-    reader thread -> select thread + TokenizerPool -> packer + Engine.step (this thread) -> writer thread
+    reader thread -> select thread + TokenizerPool -> packer + Engine.step (this thread)
+        -> results thread (waits on each LazyTensor, builds record batches) -> writer thread
 
 Every row gets a content key: a hash of its text, its kept columns, the prompt and the settings that
 decide its vector (weights, pooling, normalisation, max length, dim). Rows whose id the output already
@@ -9,8 +10,11 @@ embedded and committed by the store in groups (pipelines/writers.py), so a run t
 keeps its committed groups and the same command resumes after them; with prune, ids that left the
 source are deleted at the end. Bounded queues join the stages, so memory stays flat (but for the ids
 and keys of the output and of the source) and the engine always has the next batch queued: while the
-device computes batch N+1, the writer thread waits on batch N's LazyTensor. Rows are written in the
-order they came.
+device computes batch N+1, the results thread waits on batch N's LazyTensor. The writer's queue holds
+a commit group of rows: a commit, or a Parquet row group, takes tenths of a second to write, and
+behind a shorter queue the engine loop stalled that long, each time (BERT-base on the H200 indexed
+at 83% of its model-only rate on the same corpus, bench/results/gpu-2026-11-30-run49-index-host).
+Rows are written in the order they came.
 
 The model comes as an IndexModel: its spec (what a vector is) at once, its tokenizer and engine only
 when the first row needs embedding, so an up-to-date output costs no model load, no GPU start and
@@ -222,7 +226,9 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
         if progress is not None:
             progress(0, 0, reader.total_rows)
         vector_type = schema.field("vector").type.value_type
-        flow.consume(_assemble(flow.stage_from_queue(), report, progress, reader.total_rows, vector_type), store)
+        records = flow.stage(_assemble(flow.stage_from_queue(), report, progress, reader.total_rows, vector_type),
+                             depth=max(QUEUE_DEPTH, -(-options.commit_rows // reader.chunk_rows)))
+        flow.consume(records, store)
         _embed(model, tokenized, flow)
         flow.finish()
         report.deleted = store.finish(source, options.prune)
@@ -407,7 +413,8 @@ class _Flow:
     """Threads joined by bounded queues, with one place that remembers the first failure.
 
     stage(it) runs an iterator in its own thread and returns an iterator over its items; send()
-    and consume() are the queue from the engine loop to the writer thread. finish() ends the
+    and stage_from_queue() are the queue from the engine loop to the thread that waits on results,
+    and consume() writes what a stage yields to the store in a thread of its own. finish() ends the
     queue and waits for every thread; cancel() stops them all and waits for them too, so that
     nothing still writes when the caller aborts the store.
     """
@@ -420,8 +427,8 @@ class _Flow:
         self.results: queue.Queue = queue.Queue(QUEUE_DEPTH)
         self.threads: list[threading.Thread] = []
 
-    def stage(self, items: Iterator) -> Iterator:
-        out: queue.Queue = queue.Queue(QUEUE_DEPTH)
+    def stage(self, items: Iterator, depth: int = QUEUE_DEPTH) -> Iterator:
+        out: queue.Queue = queue.Queue(depth)
 
         def produce() -> None:
             try:

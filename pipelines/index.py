@@ -11,10 +11,12 @@ keeps its committed groups and the same command resumes after them; with prune, 
 source are deleted at the end. Bounded queues join the stages, so memory stays flat (but for the ids
 and keys of the output and of the source) and the engine always has the next batch queued: while the
 device computes batch N+1, the results thread waits on batch N's LazyTensor. The writer's queue holds
-a commit group of rows: a commit, or a Parquet row group, takes tenths of a second to write, and
-behind a shorter queue the engine loop stalled that long, each time (BERT-base on the H200 indexed
-at 83% of its model-only rate on the same corpus, bench/results/gpu-2026-11-30-run49-index-host).
-Rows are written in the order they came.
+the chunks of a commit group (at most WRITER_QUEUE_CHUNKS): a commit, or a Parquet row group, takes
+tenths of a second to write, and behind a queue of a few batches the engine loop stalled that long,
+each time (BERT-base on the H200 indexed at 83% of its model-only rate on the same corpus before,
+90-91% after: bench/results/gpu-2026-11-30-run49-index-host, run51, run54). A run that fails or is
+killed loses the rows embedded since its last commit, queued ones included. Rows are written in the
+order they came.
 
 The model comes as an IndexModel: its spec (what a vector is) at once, its tokenizer and engine only
 when the first row needs embedding, so an up-to-date output costs no model load, no GPU start and
@@ -52,6 +54,8 @@ if TYPE_CHECKING:
     from engine import Engine
 
 QUEUE_DEPTH = 4
+# Chunks of rows the writer's queue may hold at most (16,384 rows in the reader's chunks of 1,024).
+WRITER_QUEUE_CHUNKS = 16
 
 
 @dataclass(frozen=True)
@@ -227,7 +231,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
             progress(0, 0, reader.total_rows)
         vector_type = schema.field("vector").type.value_type
         records = flow.stage(_assemble(flow.stage_from_queue(), report, progress, reader.total_rows, vector_type),
-                             depth=max(QUEUE_DEPTH, -(-options.commit_rows // reader.chunk_rows)))
+                             depth=_writer_depth(options.commit_rows, reader.chunk_rows))
         flow.consume(records, store)
         _embed(model, tokenized, flow)
         flow.finish()
@@ -246,8 +250,13 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
     return report
 
 
+def _writer_depth(commit_rows: int, chunk_rows: int) -> int:
+    """The writer's queue, in chunks: a commit group's worth (see the module docstring), within bounds."""
+    return min(max(QUEUE_DEPTH, -(-commit_rows // chunk_rows)), WRITER_QUEUE_CHUNKS)
+
+
 def _embed(model: IndexModel, items: Iterator[_Tokenized], flow: _Flow) -> None:
-    """Pack rows first come, first served and send each batch's LazyTensor on to the writer thread.
+    """Pack rows first come, first served and send each batch's LazyTensor on to the results thread.
 
     The engine loads when the first rows to embed arrive, while the tokenizer pool works ahead."""
     first = next(items, None)

@@ -433,9 +433,20 @@ def _replace(fs: fsspec.AbstractFileSystem, path: str, table: pa.Table) -> None:
 def _parquet_options(schema: pa.Schema) -> dict[str, list[str]]:
     """Dictionary pages and min/max statistics for every column but the vectors: a dictionary of float
     vectors never pays and is dropped after a page, and no reader prunes on a vector's smallest element.
-    Without them a 64 MiB row group of BERT-base vectors wrote in 0.17 s instead of 0.26 s."""
-    others = [name for name in schema.names if name != "vector"]
+    Without them a 64 MiB row group of BERT-base vectors wrote in 0.17 s instead of 0.26 s.
+    pyarrow matches these lists against Parquet's leaf paths ("vector.list.element", "tags.list.element"),
+    so they name the leaves of every column but the vector column's."""
+    vector_leaves = set(_leaf_paths(pa.schema([schema.field("vector")])))
+    others = [path for path in _leaf_paths(schema) if path not in vector_leaves]
     return {"use_dictionary": others, "write_statistics": others}
+
+
+def _leaf_paths(schema: pa.Schema) -> list[str]:
+    """The Parquet leaf column paths a table of this schema is written with."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(schema.empty_table(), sink)
+    parquet_schema = pq.read_metadata(pa.BufferReader(sink.getvalue())).schema
+    return [parquet_schema.column(i).path for i in range(len(parquet_schema))]
 
 
 def _part_number(path: str) -> int:

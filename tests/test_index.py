@@ -22,6 +22,7 @@ import torch
 
 import embedctl
 from engine import Engine, EngineConfig, UserError
+from pipelines import writers
 from pipelines.index import IndexModel, IndexOptions, IndexReport, run_index
 from pipelines.tokenize import TextTokenizer
 from pipelines.tokenize_pool import TokenizerPool
@@ -149,7 +150,8 @@ def test_progress_counts_up_to_the_known_total(tmp_path: Path, engine: Engine,
     assert rows == sorted(rows) and rows[-1] == 33 and len(calls) > 3
 
 
-# Failures: a bad line far into the input, an interrupt in the engine loop, an error in the writer thread.
+# Failures: a bad line far into the input, an interrupt in the engine loop, an error in the results or
+# the writer thread.
 
 GOOD = [{"id": f"g{i}", "text": f"Good line number {i}."} for i in range(300)]
 
@@ -193,7 +195,7 @@ def test_bad_line_far_in_leaves_no_output(tmp_path: Path, engine: Engine,
     options = IndexOptions(source=str(bad_source), out=f"{tmp_path}/{out}", chunk_rows=7)
     assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options, watch),
                                    UserError, "bad.jsonl line 301: invalid JSON")
-    assert watch.rows >= 7  # the failure came after the writer had been given rows
+    assert watch.rows >= 7  # the failure came after rows had been embedded
     assert not (tmp_path / out).exists()
 
 
@@ -248,7 +250,7 @@ def test_the_first_bad_row_is_the_one_reported_while_chunks_tokenize_ahead(
                                    UserError, "line 1: text is longer")
 
 
-def test_error_in_the_writer_thread_reaches_the_caller(tmp_path: Path, engine: Engine) -> None:
+def test_error_in_the_results_thread_reaches_the_caller(tmp_path: Path, engine: Engine) -> None:
     existing_output(engine, tmp_path / "warm", "x.lance")
     source = write_jsonl(tmp_path / "good.jsonl", GOOD)
 
@@ -259,6 +261,29 @@ def test_error_in_the_writer_thread_reaches_the_caller(tmp_path: Path, engine: E
     options = IndexOptions(source=str(source), out=f"{tmp_path}/x.lance", chunk_rows=7)
     assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options, broken_progress),
                                    RuntimeError, "progress display failed")
+
+
+@pytest.mark.parametrize("out", OUTPUTS)
+def test_a_store_that_fails_mid_run_stops_every_thread_and_keeps_the_old_output(
+        tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch, out: str) -> None:
+    """A write that fails (a full disk, say) while the results thread keeps queueing rows for it."""
+    existing = existing_output(engine, tmp_path, out)
+    source = write_jsonl(tmp_path / "good.jsonl", GOOD)
+    store_class = {"x.lance": writers._LanceStore, "x.parquet": writers._ParquetFileStore,
+                   "dir/": writers._ParquetDirStore}[out]
+    write, calls = store_class.write, []
+
+    def failing_write(self: object, batch: pa.RecordBatch) -> None:
+        calls.append(batch)
+        if len(calls) == 3:
+            raise UserError(f"{out}: no space left on the device")
+        write(self, batch)
+
+    monkeypatch.setattr(store_class, "write", failing_write)
+    options = IndexOptions(source=str(source), out=existing, rebuild=True, chunk_rows=7, commit_rows=1000)
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options),
+                                   UserError, "no space left")
+    assert read_output(existing).column("id").to_pylist() == ["old"]
 
 
 @pytest.mark.parametrize("out", ["x.lance", "dir/"])

@@ -287,6 +287,26 @@ def test_parquet_row_groups_gather_small_batches(tmp_path, monkeypatch):
     assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [3, 3, 1]
 
 
+@pytest.mark.parametrize("kind", ["file.parquet", "dir/"])
+def test_parquet_vectors_have_no_dictionary_or_statistics_and_every_other_column_keeps_them(tmp_path, kind):
+    kept = pa.schema([("lang", pa.string()), ("tags", pa.list_(pa.string())), ("meta", pa.struct([("year", pa.int64())]))])
+    sch = schema(kept=kept)
+    rows = batch(["a", "b"], sch=schema(kept=None))
+    extra = [pa.array(["en", "en"]), pa.array([["x"], ["x", "y"]]), pa.array([{"year": 2020}, {"year": 2021}])]
+    store = open_store(spec(tmp_path, kind)["out"], sch)
+    store.write(pa.record_batch([*rows.columns, *extra], schema=sch.remove_metadata()))
+    store.finish({"a": "k-a", "b": "k-b"}, prune=False)
+    path = tmp_path / "file.parquet" if kind == "file.parquet" else next((tmp_path / "dir").glob("*.parquet"))
+    group = pq.ParquetFile(path).metadata.row_group(0)
+    columns = {group.column(i).path_in_schema: group.column(i) for i in range(group.num_columns)}
+    assert set(columns) == {"id", "vector.list.element", "n_tokens", "truncated", "content_key", "lang",
+                            "tags.list.element", "meta.year"}
+    assert [path for path, column in columns.items() if not column.is_stats_set] == ["vector.list.element"]
+    # Booleans never get a dictionary page.
+    assert [path for path, column in columns.items() if not column.has_dictionary_page] == [
+        "vector.list.element", "truncated"]
+
+
 def test_lock_file_sits_hidden_beside_the_output():
     assert lock_file("out/vectors.lance") == "out/.vectors.lance.lock"
     assert lock_file("vectors.lance") == ".vectors.lance.lock"

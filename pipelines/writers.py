@@ -189,6 +189,8 @@ class _LanceStore:
             raise UserError(f"cannot open LanceDB database {db_uri} ({short_reason(e)}); check the path or URI") from None
         self._table = self._open(name)
         self._target = name
+        if self._table is not None:
+            _refuse_foreign(shown, self._table.schema)
         if self._table is not None and rebuild:
             self._target = f".{name}{_REBUILD}"
             self._table = self._open(self._target)
@@ -255,13 +257,16 @@ class _ParquetDirStore:
         self._shown, self._fs, self._root, self._schema = shown, fs, path, schema
         self._path = path
         with _io_errors(shown):
-            if self._parts(path) and rebuild:
+            schemas = [_read_schema(fs, part, shown) for part in self._parts(path)]
+            for old in schemas:
+                _refuse_foreign(shown, old)
+            if schemas and rebuild:
                 self._path = posixpath.join(path, _REBUILD)
                 if any(_incompatibility(_read_schema(fs, p, shown), schema) for p in self._parts(self._path)):
                     fs.rm(self._path, recursive=True)  # a rebuild for other settings, left by a killed run
             else:
-                for part in self._parts(path):
-                    _check_compatible(shown, _read_schema(fs, part, shown), schema)
+                for old in schemas:
+                    _check_compatible(shown, old, schema)
             for leftover in self._listing(self._path):  # parts a killed run did not commit
                 if posixpath.basename(leftover).startswith(_TMP):
                     fs.rm(leftover, recursive=True)
@@ -338,7 +343,10 @@ class _ParquetFileStore:
         self._closed = False
         self.existing: dict[str, str] = {}
         with _io_errors(shown):
-            self._old = fs.exists(path) and not rebuild
+            exists = fs.exists(path)
+            if exists:
+                _refuse_foreign(shown, _read_schema(fs, path, shown))
+            self._old = exists and not rebuild
             self._stored: tuple[list[str], list[str]] = ([], [])  # id and content_key of the old rows, in order
             if self._old:
                 _check_compatible(shown, _read_schema(fs, path, shown), schema)
@@ -466,6 +474,14 @@ def _incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
     if not old.remove_metadata().equals(new.remove_metadata()):
         return f"its columns are ({_columns(old)}) but this run writes ({_columns(new)})"
     return None
+
+
+def _refuse_foreign(shown: str, old: pa.Schema) -> None:
+    """UserError for an existing output that embedctl did not write: neither an update nor --rebuild
+    may overwrite or delete data of someone else's."""
+    if not _embedctl_metadata(old):
+        raise UserError(f"{shown} holds data that embedctl did not write (no embedctl settings in its schema); "
+                        "embedctl will not change or replace it: pick another --out")
 
 
 def _check_compatible(shown: str, old: pa.Schema, new: pa.Schema) -> None:

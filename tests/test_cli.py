@@ -144,7 +144,21 @@ def _existing_lance_without_keys(tmp: Path) -> tuple[list, list[str]]:
 def _existing_parquet(tmp: Path) -> tuple[list, list[str]]:
     pq.write_table(pa.table({"anything": [1, 2, 3]}), tmp / "x.parquet")
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
-    return ["docs.jsonl"], ["cannot update x.parquet", "no content_key column", "--rebuild"]
+    return ["docs.jsonl"], ["x.parquet holds data that embedctl did not write", "pick another --out"]
+
+
+def _someone_elses_parquet_with_rebuild(tmp: Path) -> tuple[list, list[str]]:
+    pq.write_table(pa.table({"anything": [1, 2, 3]}), tmp / "x.parquet")
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--rebuild"], ["x.parquet holds data that embedctl did not write", "pick another --out"]
+
+
+def _someone_elses_parquet_folder_with_rebuild(tmp: Path) -> tuple[list, list[str]]:
+    (tmp / "out").mkdir()
+    pq.write_table(pa.table({"anything": [1, 2, 3]}), tmp / "out" / "data.parquet")
+    (tmp / "out" / "README").write_text("their notes")
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--rebuild"], ["out/ holds data that embedctl did not write", "pick another --out"]
 
 
 def _other_dim(tmp: Path) -> tuple[list, list[str]]:
@@ -165,7 +179,8 @@ BAD_INPUTS = [(_missing_path, "x.lance"), (_corrupt_parquet, "x.parquet"), (_mal
               (_model_missing_files, "x.lance"), (_duplicate_ids, "x.parquet"), (_ids_on_some_lines, "x.lance"),
               (_empty_text_refused, "out/"), (_long_text_refused, "x.lance"), (_old_overwrite_flag, "x.parquet"),
               (_existing_lance_without_keys, "x.lance"), (_existing_parquet, "x.parquet"), (_other_dim, "x.lance"),
-              (_failed_rebuild, "x.lance")]
+              (_failed_rebuild, "x.lance"), (_someone_elses_parquet_with_rebuild, "x.parquet"),
+              (_someone_elses_parquet_folder_with_rebuild, "out/")]
 
 
 @dataclass

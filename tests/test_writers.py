@@ -156,6 +156,15 @@ def test_an_output_without_content_keys_is_refused(tmp_path):
         open_store(str(tmp_path / "vectors.lance"), schema())
 
 
+@pytest.mark.parametrize("rebuild", [False, True])
+def test_a_lance_table_that_embedctl_did_not_write_is_never_changed(tmp_path, rebuild):
+    lancedb.connect(str(tmp_path)).create_table("vectors", data=pa.table({"theirs": [1, 2, 3]}))
+    before = snapshot(tmp_path)
+    with pytest.raises(UserError, match=r"vectors.lance holds data that embedctl did not write \(.*pick another --out"):
+        open_store(str(tmp_path / "vectors.lance"), schema(), rebuild=rebuild)
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize("kind", OUTPUTS)
 def test_abort_before_the_first_commit_leaves_no_output(tmp_path, kind):
     store = open_store(**spec(tmp_path, kind), schema=schema())

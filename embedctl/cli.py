@@ -86,7 +86,7 @@ def index(
     id_col: Annotated[str, typer.Option(help="Column holding the id; when absent, ids are file:row.")] = "id",
     keep: Annotated[Optional[list[str]], typer.Option(help="Carry this input column into the output (repeatable).")] = None,
     rebuild: Annotated[bool, typer.Option(help="Re-embed every row and replace --out at the end, atomically (to change the model or its settings).")] = False,
-    prune: Annotated[bool, typer.Option(help="Delete rows whose ids are no longer in SOURCE.")] = False,
+    prune: Annotated[bool, typer.Option(help="Delete rows whose ids are no longer in SOURCE (refused when SOURCE holds no rows at all).")] = False,
     commit_rows: Annotated[int, typer.Option(help="Commit every N embedded rows: a killed run loses what it embedded since its last commit, and the same command resumes.")] = 10_000,
     doc_prompt: Annotated[Optional[str], typer.Option(help="Text put before every document, e.g. 'passage: ' (default: the model's 'document' prompt, if any).")] = None,
     doc_prompt_name: Annotated[Optional[str], typer.Option(help="Name of a prompt in the model's sentence-transformers config, for documents.")] = None,

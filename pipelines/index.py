@@ -235,6 +235,10 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
         flow.consume(records, store)
         _embed(model, tokenized, flow)
         flow.finish()
+        if options.prune and not source and store.existing:
+            raise UserError(f"the source holds no rows to index, so --prune would delete all {len(store.existing):,} "
+                            f"rows of {options.out}; check the source (an empty export?), or remove the output to "
+                            "start it empty")
         report.deleted = store.finish(source, options.prune)
     except BaseException:
         flow.cancel()

@@ -286,6 +286,17 @@ def test_a_store_that_fails_mid_run_stops_every_thread_and_keeps_the_old_output(
     assert read_output(existing).column("id").to_pylist() == ["old"]
 
 
+@pytest.mark.parametrize("out", OUTPUTS)
+def test_prune_against_a_source_without_rows_is_refused(tmp_path: Path, engine: Engine, out: str) -> None:
+    """An upstream export that failed and left empty files must not wipe the index in a cron job."""
+    existing = existing_output(engine, tmp_path, out)
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"id": "blank", "text": "  "}])
+    options = IndexOptions(source=str(empty), out=existing, prune=True)
+    assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options), UserError,
+                                   "the source holds no rows to index, so --prune would delete all 1 rows of")
+    assert read_output(existing).column("id").to_pylist() == ["old"]
+
+
 @pytest.mark.parametrize("out", ["x.lance", "dir/"])
 def test_a_failure_keeps_the_committed_groups_and_a_rerun_resumes_after_them(
         tmp_path: Path, engine: Engine, bad_source: Path, out: str) -> None:

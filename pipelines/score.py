@@ -33,7 +33,7 @@ import torch
 from engine import Engine, EngineConfig, ModelSpec
 from engine.batch import Packer
 from engine.errors import UserError, short_reason
-from pipelines.qrels import Metrics, Qrels, evaluate, read_qrels
+from pipelines.qrels import CUTOFF, Metrics, Qrels, evaluate, read_qrels
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import CORES, TextTokenizer, resolve_prompt
 
@@ -101,6 +101,10 @@ class Ranking:
     @property
     def documents(self) -> int:
         return len(self.corpus_ids)
+
+    def top(self, k: int) -> Ranking:
+        """The same ranking cut to each query's first k hits."""
+        return replace(self, doc_ids=[hits[:k] for hits in self.doc_ids], scores=self.scores[:, :k])
 
     def to_dict(self) -> dict[str, int | float]:
         return {"queries": len(self.query_ids), "documents": self.documents, "top_k": int(self.scores.shape[1]),
@@ -375,14 +379,16 @@ def run_score(engine: Engine, tokenizer: TextTokenizer, inputs: Inputs, options:
         raise UserError(f"--reranker {reranker[0].files.name} is not a cross-encoder with one relevance score "
                         f"({'an embedding model' if not labels else f'{labels} labels'}); pass a sequence classifier "
                         "with one label, such as an ms-marco cross-encoder")
-    depth = (options.rerank_depth or options.top_k) if reranker is not None else options.top_k
+    # nDCG@10 and MRR@10 need ten hits per query, whatever --top-k the run file keeps.
+    kept = max(options.top_k, CUTOFF) if inputs.qrels else options.top_k
+    depth = max(options.rerank_depth or options.top_k, kept) if reranker is not None else kept
     ranking = rank(engine, tokenizer, inputs.queries, inputs.table or inputs.docs, options, top_k=depth)
     if reranker is not None:
         wanted = {doc_id for hits in ranking.doc_ids for doc_id in hits}
-        ranking = rerank(*reranker, inputs.queries, ranking, document_texts(inputs, wanted), options.top_k)
+        ranking = rerank(*reranker, inputs.queries, ranking, document_texts(inputs, wanted), kept)
     metrics = evaluate(ranking.query_ids, ranking.doc_ids, inputs.qrels, options.top_k, ranking.corpus_ids) \
         if inputs.qrels else None
-    return ranking, metrics
+    return ranking.top(options.top_k), metrics
 
 
 def write_run(ranking: Ranking, options: ScoreOptions) -> None:

@@ -25,7 +25,8 @@ import embedctl
 from embedctl.api import Embedder
 from pipelines import score
 from pipelines.qrels import evaluate, read_qrels
-from pipelines.score import Queries, Ranking, RunningTopK, ScoreOptions, open_inputs, pair_groups, rank, rerank, write_run
+from pipelines.score import (Queries, Ranking, RunningTopK, ScoreOptions, open_inputs, pair_groups, rank, rerank,
+                             run_score, write_run)
 from engine import UserError
 from tests.models import minilm_path, save_random_model
 from pipelines.readers import Chunk
@@ -230,6 +231,19 @@ def test_bad_qrels_name_the_problem(tmp_path: Path, text: str, phrases: list[str
         read_qrels(str(tmp_path / "qrels.txt"), ["q1"])
     for phrase in phrases:
         assert phrase in str(error.value)
+
+
+def test_metrics_at_ten_do_not_depend_on_top_k(model: Embedder) -> None:
+    """nDCG@10 and MRR@10 look ten hits deep even when the run file keeps fewer."""
+    results = {}
+    for k in (1, 10):
+        options = ScoreOptions(queries=str(QUERIES), docs=str(CORPUS), top_k=k, qrels=str(SAMPLE / "qrels.txt"))
+        results[k] = run_score(model.engine, model.tokenizer, open_inputs(options), options)
+    (one, at_one), (ten, at_ten) = results[1], results[10]
+    assert [len(hits) for hits in one.doc_ids] == [1] * len(one.query_ids) and one.scores.shape[1] == 1
+    assert one.doc_ids == [hits[:1] for hits in ten.doc_ids]
+    assert (at_one.ndcg_at_10, at_one.mrr_at_10) == (at_ten.ndcg_at_10, at_ten.mrr_at_10)
+    assert at_one.mrr_at_10 < 1.0  # some query's document ranks below first: the cut would have shown
 
 
 def test_sample_qrels_score_the_sample_ranking(sample_ranking: tuple[Queries, Ranking]) -> None:

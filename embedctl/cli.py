@@ -118,6 +118,7 @@ def index(
 
     Exit codes: 0 done; 2 a problem with the input or the options (one line on stderr); 75 another run holds --out; 130 interrupted.
     """
+    source, out, model, report = _home(source), _home(out), _home(model), _home(report)
     if overwrite or append:  # the flags of earlier versions: say what replaced them
         _fail(f"--{'overwrite' if overwrite else 'append'} is gone: running again into an existing output updates "
               "it (new rows added, changed rows re-embedded); drop the flag, or pass --rebuild to replace the output",
@@ -197,6 +198,9 @@ def score(
 
     With --index, the queries take the table's dim and max length unless given here."""
     from pipelines.score import ScoreOptions, open_inputs, run_score, write_run
+
+    queries, docs, index, qrels, out, report = map(_home, (queries, docs, index, qrels, out, report))
+    model, reranker = _home(model), _home(reranker)
 
     def run() -> None:
         _check_report_path(report)
@@ -333,6 +337,14 @@ def _check_paths(report: Path | None, inputs: list[str], out: str | None) -> Non
             if (local := _local(path)) is not None and _within(os.path.realpath(report), local):
                 _fail(f"--report {report} would overwrite {path}, which this run reads or writes; give the report "
                       "a path of its own", None)
+
+
+def _home(path: str | Path | None) -> str | Path | None:
+    """A local path with a leading ~ expanded, as a shell would have done had it not been quoted: the
+    readers, writers and lock file must all see one path. URLs and None pass unchanged."""
+    if path is None or "://" in str(path):
+        return path
+    return type(path)(os.path.expanduser(path)) if isinstance(path, Path) else os.path.expanduser(path)
 
 
 def _local(path: str) -> str | None:

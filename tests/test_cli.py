@@ -522,3 +522,22 @@ def test_interrupt_exits_130_and_leaves_nothing(tmp_path: Path) -> None:
     assert "Traceback" not in stderr + stdout
     assert stderr.splitlines() == ["interrupted; the same command resumes from the last commit to x.parquet"]
     assert snapshot(tmp_path) == before
+
+
+def test_a_quoted_tilde_means_the_home_folder_for_every_path(tmp_path: Path) -> None:
+    """`--out '~/v.lance'` (quoted, so the shell left the ~): the data, the lock and score's run file all go
+    to $HOME, and no folder named ~ appears where the command ran."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir(), elsewhere.mkdir()
+    write_jsonl(home / "docs.jsonl", good_rows("a"))
+    write_jsonl(home / "queries.jsonl", [{"id": "q", "text": "a question"}])
+    env = {**ENV, "HOME": str(home)}
+    for command in (["index", "~/docs.jsonl", "--out", "~/v.lance", "-q"],
+                    ["score", "~/queries.jsonl", "--index", "~/v.lance", "--out", "~/run.jsonl", "--top-k", "2", "-q"]):
+        done = subprocess.run([sys.executable, "-m", "embedctl.cli", *command], cwd=elsewhere, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    assert len(lancedb.connect(home).open_table("v").to_arrow()) == len(good_rows("a"))
+    assert len((home / "run.jsonl").read_text().splitlines()) == 2
+    assert list(elsewhere.iterdir()) == []
+

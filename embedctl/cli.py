@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -34,6 +35,7 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM: what a shell reports for a process that SIGTERM ended
 EXIT_LOCKED = 75  # sysexits' EX_TEMPFAIL: another run holds the output; try again later
 
 
@@ -116,7 +118,7 @@ def index(
 
     The first run builds --out; the same command run again updates it and resumes a killed run.
 
-    Exit codes: 0 done; 2 a problem with the input or the options (one line on stderr); 75 another run holds --out; 130 interrupted.
+    Exit codes: 0 done; 2 a problem with the input or the options (one line on stderr); 75 another run holds --out; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
     """
     source, out, model, report = _home(source), _home(out), _home(model), _home(report)
     if overwrite or append:  # the flags of earlier versions: say what replaced them
@@ -154,8 +156,10 @@ def index(
         except OutputLocked as error:  # not written to --report: the run that holds the lock owns it
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(EXIT_LOCKED) from None
-        except KeyboardInterrupt:  # committed groups stay: they are what the next run resumes from
-            _interrupted(f"interrupted; the same command resumes from the last commit to {out}")
+        except KeyboardInterrupt as stop:  # committed groups stay: they are what the next run resumes from
+            after = (f"{out} is as it was before this run" if out.rstrip("/").endswith(".parquet") and table is None
+                     else f"the same command resumes from the last commit to {out}")
+            _interrupted(stop, after, report)
         if not quiet:
             typer.echo(result.summary(), err=True)
         if verbose:
@@ -279,8 +283,17 @@ def _load(model: str | None, config: EngineConfig) -> tuple[Engine, TextTokenize
     return engine, TextTokenizer(engine.files.tokenizer_file, engine.max_length)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (systemd, timeout, kill), handled the way Ctrl-C is."""
+
+
+def _terminate(signum: int, frame: object) -> NoReturn:
+    raise _Terminated
+
+
 def _guarded(run: Callable[[], None], report: Path | None) -> None:
-    """Run a command; user errors and interrupts become one line and an exit code."""
+    """Run a command; user errors, Ctrl-C and SIGTERM become one line and an exit code."""
+    signal.signal(signal.SIGTERM, _terminate)  # embedctl serve's uvicorn puts its own in place once it starts
     try:
         run()
     except UserError as error:
@@ -289,12 +302,13 @@ def _guarded(run: Callable[[], None], report: Path | None) -> None:
         if not _out_of_memory(error):
             raise
         _fail("the GPU ran out of memory; lower --max-batch-tokens or --max-seqs and run again", report)
-    except KeyboardInterrupt:
-        _interrupted("interrupted; no output was changed")
+    except KeyboardInterrupt as stop:
+        _interrupted(stop, "no output was changed", report)
 
 
-def _interrupted(message: str) -> NoReturn:
-    """After Ctrl-C, once the output is cleaned up: say so and end with exit code 130.
+def _interrupted(stop: KeyboardInterrupt, after: str, report: Path | None) -> NoReturn:
+    """After Ctrl-C (exit code 130) or SIGTERM (143), once the output is cleaned up: say so, in the
+    report too, so that a monitor does not read the last run's report as this one's.
 
     os._exit, not sys.exit: when Ctrl-C lands while an import runs code from a string (the model
     loads mid-run, and dataclasses build their methods so), CPython flags the KeyboardInterrupt as
@@ -302,10 +316,17 @@ def _interrupted(message: str) -> NoReturn:
     (2 of 30 interrupted index runs). By now the pipeline's threads are joined, the store is aborted
     and the lock released: nothing is left for the interpreter's exit to do.
     """
+    terminated = isinstance(stop, _Terminated)
+    message = f"{'terminated' if terminated else 'interrupted'}; {after}"
     typer.echo(message, err=True)
+    if report is not None:
+        try:
+            _write_report(report, json.dumps({"error": message}))
+        except UserError:
+            pass  # the line above is the message that matters
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
 
 
 def _out_of_memory(error: Exception) -> bool:

@@ -293,7 +293,10 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
     logging.getLogger("uvicorn.error").info(
         "embedctl serve: %s on %s, dim %d, max length %d, at http://%s:%d (docs at /docs)",
         engine.files.name, engine.device, engine.dim, engine.max_length, options.host, sock.getsockname()[1])
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has drained: a clean stop, exit 0
+        pass
 
 
 class _Service:

@@ -502,26 +502,34 @@ def test_a_read_only_table_is_one_line_and_unchanged(existing: Path) -> None:
     assert snapshot(existing) == before
 
 
-# Ctrl-C
+# Ctrl-C and SIGTERM
 
 
-def test_interrupt_exits_130_and_leaves_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("stop", "code", "word"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+                         ids=["Ctrl-C", "SIGTERM"])
+def test_a_stopped_run_exits_with_its_code_says_so_in_the_report_and_leaves_nothing(
+        tmp_path: Path, stop: signal.Signals, code: int, word: str) -> None:
     sentence = "Interrupting a long run must leave no half-written vector table behind it. "
     write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": f"{i} {sentence * 4}"} for i in range(3000)])
+    (tmp_path / "r.json").write_text('{"rows_written": 3000}')  # the last run's report, which must not stand
     before = snapshot(tmp_path)
-    process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", "index", "docs.jsonl", "--out", "x.parquet"],
+    process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", "index", "docs.jsonl", "--out", "x.parquet",
+                                "--report", "r.json"],
                                cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".x.parquet.*.tmp")):  # the writer is open: the run is under way
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
         time.sleep(0.05)
     time.sleep(1.0)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(stop)
     stdout, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130, stderr
+    assert process.returncode == code, stderr
     assert "Traceback" not in stderr + stdout
-    assert stderr.splitlines() == ["interrupted; the same command resumes from the last commit to x.parquet"]
-    assert snapshot(tmp_path) == before
+    assert stderr.splitlines() == [f"{word}; x.parquet is as it was before this run"]
+    after = snapshot(tmp_path)
+    assert json.loads(after.pop("r.json")) == {"error": f"{word}; x.parquet is as it was before this run"}
+    before.pop("r.json")
+    assert after == before
 
 
 def test_a_quoted_tilde_means_the_home_folder_for_every_path(tmp_path: Path) -> None:

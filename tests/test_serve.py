@@ -397,7 +397,7 @@ def test_sigterm_drains_the_request_in_flight_then_exits(minilm_dir: Path, tmp_p
                 time.sleep(0.002)
         server.process.send_signal(signal.SIGTERM)
         worker.join()
-        assert server.process.wait(60) in (0, -signal.SIGTERM)
+        assert server.process.wait(60) == 0  # a drained stop is a success for systemd and Kubernetes
         assert slow["reply"].status_code == 200 and len(slow["reply"].json()) == 24
         with pytest.raises(httpx.ConnectError):
             httpx.get(server.url + "/health")

@@ -246,7 +246,7 @@ def serve(
     # One lane: every extra lane captures its own graph of each shape while requests wait, and under
     # load that cost more than the overlap gained (bench/results/gpu-2026-11-30-run46-serve-lanes).
     lanes: LanesOpt = 1,
-    max_client_batch: Annotated[int, typer.Option(help="Inputs per request; more get 413.")] = 512,
+    max_client_batch: Annotated[int, typer.Option(help="Inputs per request; more get 413.")] = 2048,
     max_request_bytes: Annotated[int, typer.Option(help="Request body size; larger gets 413.")] = 4 << 20,
     max_queue: Annotated[int, typer.Option(help="Sequences admitted and not yet answered, over all clients; past it 429.")] = 8192,
     max_length: MaxLengthOpt = None,

@@ -56,7 +56,7 @@ from engine import Engine, EngineConfig, UserError
 from engine.batch import PackedBatch
 from engine.errors import short_reason
 from engine.scheduler import QueueFull, Scheduler, SchedulerClosed
-from pipelines.tokenize import Encoded, TextTokenizer
+from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
 
 log = logging.getLogger("embedctl.serve")
@@ -64,6 +64,7 @@ log = logging.getLogger("embedctl.serve")
 API_KEY_ENV = "EMBEDCTL_API_KEY"
 DRAIN_SECONDS = 30  # how long Ctrl-C / SIGTERM waits for requests in flight before cutting them off
 RETRY_AFTER_SECONDS = 1
+RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_SECONDS)}  # on 429 and 503, as clients that retry read it
 # Requests with at most this many characters are tokenized on the event loop: a short query takes
 # about 20 us, less than the hop to the pool and back, which also costs the loop CPU of its own.
 INLINE_CHARS = 512
@@ -87,7 +88,7 @@ BODY_PROBLEMS = ("missing", "model_type", "model_attributes_type", "dict_type") 
 class ServeLimits:
     """Admission limits; every one is a flag of `embedctl serve`."""
 
-    max_client_batch: int = 512  # inputs per request (texts, token-id lists, or rerank texts)
+    max_client_batch: int = 2048  # inputs per request (texts, token-id lists, or rerank texts): OpenAI's limit
     max_request_bytes: int = 4 << 20  # request body size
     max_queue: int = 8192  # sequences admitted and not yet answered, over all clients
 
@@ -129,7 +130,7 @@ class EmbeddingsRequest(_Strict):
         description="A text, a list of texts, one token-id list, or a list of token-id lists (the model's own ids, "
                     "special tokens included)")
     model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = None  # None: float
     dimensions: int | None = Field(default=None, ge=1, description="Keep the first N components (Matryoshka)")
     user: str | None = None
 
@@ -145,7 +146,11 @@ class EmbeddingsRequest(_Strict):
 class EmbedRequest(_Strict):
     inputs: Union[str, list[str]]
     normalize: bool = True
-    truncate: bool = True
+    truncate: bool | None = Field(default=None, description="null or true: cut over-long inputs; false: refuse them")
+    truncation_direction: Literal["right", "Right"] = Field(
+        default="right", description="TEI's field; only right (keep the start of the text) is supported")
+    prompt_name: str | None = Field(default=None, description="A prompt of the model's sentence-transformers "
+                                    "config to put before every input (default: its document prompt, as index uses)")
     dimensions: int | None = Field(default=None, ge=1)
 
     @field_validator("inputs", mode="before")
@@ -165,7 +170,9 @@ class RerankRequest(_Strict):
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = False
     return_text: bool = Field(default=False, description="TEI's name for return_documents")
-    truncate: bool = True
+    raw_scores: bool = Field(default=False, description="TEI's field: a cross-encoder's logits instead of their sigmoid")
+    truncate: bool | None = None
+    truncation_direction: Literal["right", "Right"] = "right"
     model: str | None = None
 
     @model_validator(mode="after")
@@ -255,7 +262,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
         if service.warm_error is not None:
             return JSONResponse({"status": "failed", "error": service.warm_error}, status_code=503)
         if not service.ready:
-            return JSONResponse({"status": "warming up"}, status_code=503)
+            return JSONResponse({"status": "warming up"}, status_code=503, headers=RETRY_AFTER)
         return JSONResponse({"status": "ok"})
 
     @app.head("/health", include_in_schema=False)  # load balancers and uptime checks often probe with HEAD
@@ -309,6 +316,8 @@ class _Service:
         self.name = engine.files.name
         self.names = {self.name, Path(self.name).name}
         self.vocab_size = int(engine.files.config.get("vocab_size", 0))
+        # What index and score put before documents and queries, so that the vectors agree with theirs.
+        self.prompts = {role: resolve_prompt(engine.files, role, None, None) for role in ("document", "query")}
         self.started = int(time.time())
         self.metrics = _Metrics()
         self.scheduler: Scheduler | None = None
@@ -360,14 +369,18 @@ class _Service:
     async def embed(self, body: EmbedRequest) -> bytes:
         self.check_vectors(body.dimensions)
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        encoded = await self.encode_texts(texts, "inputs", body.truncate)
+        prompt = self.prompts["document"] if body.prompt_name is None else self.named_prompt(body.prompt_name)
+        encoded = await self.encode_texts(texts, "inputs", body.truncate is not False, prompt)
         return _dumps(self.finish(await self.run(encoded), body.dimensions, body.normalize))
 
     async def rerank(self, body: RerankRequest) -> bytes:
         self.check_model(body.model)
         cohere = body.documents is not None
         texts = body.documents if cohere else body.texts
-        scores, tokens = await self.scores(body.query, texts, body.truncate, "documents" if cohere else "texts")
+        if body.raw_scores and self.engine.num_labels:
+            raise ApiError(422, "raw_scores: true is not supported: this server answers with the sigmoid of the "
+                                "cross-encoder's logit; send raw_scores: false")
+        scores, tokens = await self.scores(body.query, texts, body.truncate is not False, "documents" if cohere else "texts")
         order = np.argsort(-scores, kind="stable")[: body.top_n]
         with_text = body.return_documents or body.return_text
         if cohere:
@@ -376,6 +389,12 @@ class _Service:
             return _dumps({"model": self.name, "results": results, "usage": {"total_tokens": tokens}})
         return _dumps([{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if with_text else {})}
                        for i in order])
+
+    def named_prompt(self, name: str) -> str:
+        try:
+            return resolve_prompt(self.engine.files, "document", None, name)
+        except UserError as error:
+            raise ApiError(422, f"prompt_name: {error}") from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
@@ -392,9 +411,9 @@ class _Service:
     async def encode_input(self, value: str | list[str] | list[int] | list[list[int]]) -> Encoded:
         """OpenAI `input`: texts are tokenized and truncated; token ids are checked and truncated."""
         if isinstance(value, str):
-            return await self.encode_texts([value], "input", truncate=True)
+            return await self.encode_texts([value], "input", True, self.prompts["document"])
         if value and isinstance(value[0], str):
-            return await self.encode_texts(value, "input", truncate=True)
+            return await self.encode_texts(value, "input", True, self.prompts["document"])
         sequences = [value] if value and isinstance(value[0], int) else value
         self.check_count(len(sequences), "input")
         for i, ids in enumerate(sequences):
@@ -407,9 +426,10 @@ class _Service:
         return Encoded(ids=[np.asarray(ids[:limit], dtype=np.int32) for ids in sequences],
                        truncated=[len(ids) > limit for ids in sequences])
 
-    async def encode_texts(self, texts: Sequence[str], field: str, truncate: bool) -> Encoded:
+    async def encode_texts(self, texts: Sequence[str], field: str, truncate: bool, prompt: str = "") -> Encoded:
+        """Check the texts, then tokenize each with the prompt in front of it."""
         self.check_texts(texts, field)
-        encoded = await self.encode(texts)
+        encoded = await self.encode([prompt + text for text in texts] if prompt else texts)
         self.check_truncation(encoded, field, truncate)
         return encoded
 
@@ -459,7 +479,8 @@ class _Service:
             self.check_truncation(encoded, field, truncate)
             scores = (await self.run(encoded))[:, 0]
         else:
-            encoded = await self.encode([query, *texts])
+            query_prompt, document_prompt = self.prompts["query"], self.prompts["document"]
+            encoded = await self.encode([query_prompt + query, *(document_prompt + text for text in texts)])
             self.check_truncation(Encoded(encoded.ids[1:], encoded.truncated[1:]), field, truncate)
             if not truncate and encoded.truncated[0]:
                 raise ApiError(422, f"query is longer than the model's max length of {self.engine.max_length} tokens "
@@ -475,9 +496,9 @@ class _Service:
             self.scheduler.submit(encoded.ids, lambda outcome: self.wakeups.settle(future, outcome), encoded.type_ids)
         except QueueFull as error:
             raise ApiError(429, f"the server is busy: {error}; retry after {RETRY_AFTER_SECONDS} s",
-                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+                           headers=RETRY_AFTER) from None
         except SchedulerClosed:
-            raise ApiError(503, "the server is shutting down; retry against another instance") from None
+            raise ApiError(503, "the server is shutting down; retry against another instance", headers=RETRY_AFTER) from None
         outcome = await future
         if isinstance(outcome, BaseException):
             log.error("engine step failed", exc_info=outcome)
@@ -526,11 +547,11 @@ def _dumps(payload: Any) -> bytes:
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-# Errors: one JSON shape everywhere, OpenAI's {"error": {"message", "type", "code"}}, which its clients read.
+# Errors: one JSON shape everywhere, OpenAI's {"error": {"message", "type", "param", "code"}}, which its clients read.
 
 def _error_body(status: int, message: str) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                                   "code": status}})
+                                   "param": None, "code": None}})
 
 
 async def _http_error(_: Request, error: HTTPException) -> Response:

@@ -479,6 +479,40 @@ def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path)
     assert vectors.status_code == 400 and "cross-encoder" in vectors.json()["error"]["message"]
 
 
+def test_prompts_and_tei_fields_give_the_vectors_index_and_score_would(random_bert: Path) -> None:
+    """A model with prompts: /v1/embeddings and /embed put its document prompt first, as `embedctl index`
+    does, and /rerank its query prompt before the query, as `embedctl score` does; /embed takes TEI's
+    prompt_name, truncation_direction and a null truncate, and /rerank TEI's raw_scores."""
+    (random_bert / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"query": "query: ", "document": "passage: ", "clustering": "cluster: "}}))
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+
+    def expected(*texts: str) -> np.ndarray:
+        return unit(engine.embed(tokenizer.encode(list(texts)).ids))
+
+    with serving(create_app(engine, tokenizer)) as url:
+        openai_style = httpx.post(url + "/v1/embeddings", json={"input": ["hello there"]}).json()
+        tei_style = httpx.post(url + "/embed", json={"inputs": "hello there", "truncate": None,
+                                                     "truncation_direction": "Right"}).json()
+        named = httpx.post(url + "/embed", json={"inputs": "hello there", "prompt_name": "clustering"}).json()
+        ranked = httpx.post(url + "/rerank", json={"query": "a question", "texts": ["one", "two"],
+                                                   "raw_scores": False}).json()
+        unknown = httpx.post(url + "/embed", json={"inputs": "x", "prompt_name": "nope"})
+        left = httpx.post(url + "/embed", json={"inputs": "x", "truncation_direction": "left"})
+    # This model has no Normalize module, so /v1/embeddings answers its raw vector.
+    np.testing.assert_allclose(unit(np.array([openai_style["data"][0]["embedding"]])), expected("passage: hello there"),
+                               atol=1e-5)
+    np.testing.assert_allclose(tei_style, expected("passage: hello there"), atol=1e-5)
+    np.testing.assert_allclose(named, expected("cluster: hello there"), atol=1e-5)
+    query, one, two = expected("query: a question", "passage: one", "passage: two")
+    assert {hit["index"]: hit["score"] for hit in ranked} == pytest.approx({0: float(one @ query), 1: float(two @ query)},
+                                                                           abs=1e-5)
+    assert unknown.status_code == 422 and "no prompt named 'nope'" in unknown.json()["error"]["message"]
+    assert set(unknown.json()["error"]) == {"message", "type", "param", "code"}  # OpenAI's error shape
+    assert left.status_code == 422 and "truncation_direction" in left.json()["error"]["message"]
+
+
 def test_scheduler_answers_each_request_in_order_across_batches(random_bert: Path) -> None:
     engine = Engine.load(str(random_bert), EngineConfig(device="cpu", max_batch_tokens=64, max_length=32, normalize=False))
     rng = np.random.default_rng(0)

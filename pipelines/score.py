@@ -395,19 +395,32 @@ def write_run(ranking: Ranking, options: ScoreOptions) -> None:
     """The run as JSONL rows or TREC lines, to stdout or, all at once, to options.out."""
     lines = _trec_lines(ranking) if options.format == "trec" else _jsonl_lines(ranking)
     if options.out is None:
-        sys.stdout.writelines(lines)
-        sys.stdout.flush()
+        try:
+            sys.stdout.writelines(lines)
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader left (`| head`): the rest of the run is not wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's own flush is quiet
         return
-    out = Path(options.out)
+    out = Path(os.path.realpath(options.out))  # through a symbolic link: the link stays, its target is replaced
+    if out.exists() and not out.is_file():  # a FIFO or a device (/dev/stdout): written to, never replaced
+        _write(out, lines, out)
+        return
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        with tmp.open("w", encoding="utf-8") as handle:
-            handle.writelines(lines)
+        _write(tmp, lines, out)
         os.replace(tmp, out)
     except OSError as error:
-        raise UserError(f"cannot write {out} ({short_reason(error)}); check free space and permissions") from None
+        raise UserError(f"cannot write {options.out} ({short_reason(error)}); check free space and permissions") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _write(path: Path, lines: Iterable[str], shown: Path) -> None:
+    try:
+        with path.open("w", encoding="utf-8") as handle:
+            handle.writelines(lines)
+    except OSError as error:
+        raise UserError(f"cannot write {shown} ({short_reason(error)}); check free space and permissions") from None
 
 
 def _hits(ranking: Ranking) -> Iterator[tuple[str, str, int, float]]:
@@ -468,9 +481,15 @@ def _check_id(chunk: Chunk, row: int, run_format: str) -> None:
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse, before any ranking, a --out that the run could not be written to at the end."""
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; give a file name for the run")
+    if out.exists() and not out.is_file():  # a FIFO or a device such as /dev/stdout: written to, not replaced
+        return
     if out.exists() and not overwrite:
         raise UserError(f"{out} already exists; pass --overwrite to replace it or pick another --out")
-    if not out.parent.is_dir():
+    folder = Path(os.path.realpath(out)).parent
+    if not folder.is_dir():
         raise UserError(f"--out {out}: the directory {out.parent} does not exist; create it or pick another path")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"--out {out}: the directory {folder} is read-only; pick a writable place for the run")

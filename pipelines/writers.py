@@ -19,6 +19,7 @@ embed (pipelines/index.py does) and takes no lock (pipelines/lock.py; lock_file(
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
 import uuid
@@ -27,6 +28,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 import fsspec
+import fsspec.implementations.local
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -90,6 +92,8 @@ def open_store(out: str, schema: pa.Schema, table: str | None = None, rebuild: b
     fs, path, is_dir = _locate(out)
     if is_dir:
         return _ParquetDirStore(out, fs, path.rstrip("/"), schema, rebuild, commit_rows)
+    if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
+        path = os.path.realpath(path)  # a symbolic link (a "current" link) keeps pointing at the file it names
     return _ParquetFileStore(out, fs, path, schema, rebuild)
 
 

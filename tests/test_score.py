@@ -10,8 +10,11 @@ the command, the files it writes.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -183,6 +186,25 @@ def test_jsonl_rows_to_stdout(sample_ranking: tuple[Queries, Ranking], capsys: p
     assert rows == [{"query_id": q, "doc_id": d, "rank": r, "score": round(float(s), 6)}
                     for q, hits, scores in zip(queries.ids, ranking.doc_ids, ranking.scores)
                     for r, (d, s) in enumerate(zip(hits, scores), start=1)]
+
+
+def test_a_run_written_through_a_link_or_into_a_fifo_leaves_them_in_place(
+        sample_ranking: tuple[Queries, Ranking], tmp_path: Path) -> None:
+    _, ranking = sample_ranking
+    (tmp_path / "target.jsonl").write_text("an old run\n")
+    (tmp_path / "link.jsonl").symlink_to("target.jsonl")
+    write_run(ranking, ScoreOptions(queries=str(QUERIES), docs=str(CORPUS), out=str(tmp_path / "link.jsonl"), overwrite=True))
+    assert (tmp_path / "link.jsonl").is_symlink()
+    rows = (tmp_path / "target.jsonl").read_text().splitlines()
+    assert len(rows) == sum(map(len, ranking.doc_ids)) and json.loads(rows[0])["rank"] == 1
+
+    os.mkfifo(tmp_path / "fifo")
+    received: list[str] = []
+    reader = threading.Thread(target=lambda: received.extend((tmp_path / "fifo").read_text().splitlines()))
+    reader.start()
+    write_run(ranking, ScoreOptions(queries=str(QUERIES), docs=str(CORPUS), out=str(tmp_path / "fifo")))
+    reader.join(10)
+    assert received == rows and stat.S_ISFIFO((tmp_path / "fifo").stat().st_mode)
 
 
 # Metrics against qrels
@@ -570,3 +592,12 @@ def test_trec_run_file(cli_runs: dict, sample_ranking: tuple[Queries, Ranking]) 
     # The top 3 of a top-5 run are the top-3 ranking computed in this process.
     assert [[r[2] for r in rows[i * 5: i * 5 + 3]] for i in range(len(queries.ids))] == ranking.doc_ids
     np.testing.assert_allclose(scores[:, :3], ranking.scores, atol=2e-6)
+
+
+def test_a_reader_that_leaves_early_ends_the_run_quietly() -> None:
+    """`embedctl score ... | head -1`: the pipe closes while the run is written to stdout."""
+    process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", "score", str(QUERIES), str(CORPUS), "--top-k", "50",
+                                "-q"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()  # the reader is gone before the first line
+    stderr = process.stderr.read()
+    assert (process.wait(300), stderr) == (0, "")

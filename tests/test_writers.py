@@ -316,6 +316,16 @@ def test_parquet_vectors_have_no_dictionary_or_statistics_and_every_other_column
         "vector.list.element", "truncated"]
 
 
+def test_a_parquet_output_behind_a_symbolic_link_is_updated_where_the_link_points(tmp_path):
+    write(tmp_path, "file.parquet", ["a"])
+    (tmp_path / "current.parquet").symlink_to("file.parquet")
+    store = open_store(str(tmp_path / "current.parquet"), schema())
+    store.write(batch(["b"]))
+    store.finish({"a": "k-a", "b": "k-b"}, prune=False)
+    assert (tmp_path / "current.parquet").is_symlink()
+    assert sorted(pq.read_table(tmp_path / "file.parquet").column("id").to_pylist()) == ["a", "b"]
+
+
 def test_lock_file_sits_hidden_beside_the_output():
     assert lock_file("out/vectors.lance") == "out/.vectors.lance.lock"
     assert lock_file("vectors.lance") == ".vectors.lance.lock"

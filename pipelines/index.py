@@ -112,9 +112,10 @@ class IndexReport:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def summary(self) -> str:
+        embedded = (f"{self.tokens:,} tokens in {self.seconds:.1f} s ({self.tokens_per_second:,.0f} tokens/s{self._load()})"
+                    if self.tokens else f"nothing to embed ({self.seconds:.1f} s)")
         return (f"{self.rows_written + self.unchanged:,} rows: {self.added:,} added, {self.updated:,} updated, "
-                f"{self.unchanged:,} unchanged, {self.deleted:,} deleted; {self.tokens:,} tokens in {self.seconds:.1f} s "
-                f"({self.tokens_per_second:,.0f} tokens/s{self._load()}); {self.truncated:,} truncated, "
+                f"{self.unchanged:,} unchanged, {self.deleted:,} deleted; {embedded}; {self.truncated:,} truncated, "
                 f"{self.skipped:,} skipped -> {self.output}")
 
     def _load(self) -> str:

@@ -473,6 +473,10 @@ def _incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
     old_meta, new_meta = _embedctl_metadata(old), _embedctl_metadata(new)
     for key in sorted(old_meta.keys() | new_meta.keys()):
         if old_meta.get(key) != new_meta.get(key):
+            if key == "embedctl.weights_sha256":  # name the models: two hashes alone tell a user nothing
+                models = [(schema.metadata or {}).get(b"embedctl.model", b"?").decode() for schema in (old, new)]
+                return (f"it was embedded with the model {models[0]} (weights sha256 {old_meta.get(key, '?')[:12]}...) "
+                        f"and this run's is {models[1]} (weights sha256 {new_meta.get(key, '?')[:12]}...)")
             name = key.removeprefix("embedctl.")
             return f"it was embedded with {name} {old_meta.get(key)!r} and this run's {name} is {new_meta.get(key)!r}"
     if not old.remove_metadata().equals(new.remove_metadata()):

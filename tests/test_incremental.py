@@ -245,6 +245,7 @@ def test_an_up_to_date_output_is_checked_without_loading_the_model(work: Path) -
     result = subprocess.run([sys.executable, "-c", probe, *index_args("u.jsonl", "u.lance", "--report", "u.json")[3:]],
                             cwd=work, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.stdout.split() == ["False", "0"], result.stderr
+    assert "; nothing to embed (" in result.stderr and "tokens/s" not in result.stderr
     done = report(work, "u.json")
     assert (done["unchanged"], done["rows_written"], done["device"], done["graphs"]) == (100, 0, None, {})
 

@@ -135,9 +135,11 @@ def test_lancedb_search_finds_the_nearest_vector(tmp_path):
 def test_other_settings_or_columns_are_refused_and_leave_the_output_byte_identical(tmp_path, kind):
     write(tmp_path, kind, ["a"])
     before = snapshot(tmp_path)
-    with pytest.raises(UserError, match="cannot update .*: it was embedded with weights_sha256 'abc' and this run's "
-                                        "weights_sha256 is 'def'; pass --rebuild to re-embed it all"):
-        open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.weights_sha256": "def"}))
+    with pytest.raises(UserError, match=r"cannot update .*: it was embedded with the model test/model \(weights sha256 "
+                                        r"abc\.\.\.\) and this run's is other/model \(weights sha256 def\.\.\.\); "
+                                        "pass --rebuild to re-embed it all"):
+        open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.weights_sha256": "def",
+                                                                 "embedctl.model": "other/model"}))
     with pytest.raises(UserError, match="pooling None and this run's pooling is 'cls'"):
         open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.pooling": "cls"}))
     with pytest.raises(UserError, match="dim '4' and this run's dim is '8'"):

@@ -74,6 +74,7 @@ TOKENIZER_THREADS = min(8, os.cpu_count() or 1)
 # few texts cost less than the trip through the pipe.
 WORKER_TEXTS = 16
 OPEN_PATHS = ("/health",)
+OPENAI_PATHS = ("/v1/embeddings",)  # invalid requests get OpenAI's 400 here; TEI's 422 on /embed and /rerank
 ENDPOINTS = ("/v1/embeddings", "/embed", "/rerank", "/health", "/metrics", "/v1/models", "/docs", "/openapi.json")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = tuple(float(1 << n) for n in range(4, 17))  # 16 ... 65,536 tokens per engine batch
@@ -610,7 +611,7 @@ class _Front:
             if refusal is not None:
                 status = await _refuse(send, refusal)
             elif route is not None:
-                status = await self._serve(*route, receive, send)
+                status = await self._serve(path, *route, receive, send)
             else:
                 async def send_status(message: Message) -> None:
                     nonlocal status
@@ -622,7 +623,7 @@ class _Front:
         finally:
             self.metrics.observe_request(path, status, time.perf_counter() - started)
 
-    async def _serve(self, model: type[BaseModel], handler: Handler, receive: Receive, send: Send) -> int:
+    async def _serve(self, path: str, model: type[BaseModel], handler: Handler, receive: Receive, send: Send) -> int:
         try:
             body = await self._body(receive)
             if body is None:
@@ -633,6 +634,8 @@ class _Front:
                 raise _invalid(error) from None
             return await _reply(send, 200, await handler(request))
         except ApiError as error:
+            if error.status_code == 422 and path in OPENAI_PATHS:  # OpenAI answers any invalid request with 400
+                error = ApiError(400, error.detail, error.headers)
             return await _refuse(send, error)
         except Exception:  # noqa: BLE001 - one broken request gets a 500; the server goes on
             log.exception("request failed")

@@ -162,6 +162,8 @@ def test_openai_client_gets_the_vectors_of_embedctl_index(server: Server, client
     np.testing.assert_array_equal(np.array([item.embedding for item in as_float.data], dtype=np.float32),
                                   np.array([item.embedding for item in as_base64.data], dtype=np.float32))
     np.testing.assert_allclose(one.data[0].embedding, vectors[3], atol=1e-5)
+    with pytest.raises(openai.BadRequestError, match="input\\[1\\] is blank"):  # the exception OpenAI's API gives
+        api.embeddings.create(model=name, input=["fine", "  "])
     # 31 texts of up to 256 tokens under a 512-token budget: each request was split over many batches
     assert metric(client, "embedctl_batch_tokens_count") - batches_before >= 2 * n_tokens.sum() / LIMITS["max_batch_tokens"]
 
@@ -229,20 +231,20 @@ ERRORS = [
     ("wrong key", "/v1/models", None, "nope", 401, "API key"),
     ("malformed JSON", "/v1/embeddings", b'{"input": [', KEY, 400, "not valid JSON"),
     ("not an object", "/embed", b"[1, 2]", KEY, 422, "JSON object"),
-    ("wrong input type", "/v1/embeddings", {"input": 5}, KEY, 422, "input: must be a string"),
-    ("mixed input", "/v1/embeddings", {"input": ["a", 1]}, KEY, 422, "list of token ids"),
+    ("wrong input type", "/v1/embeddings", {"input": 5}, KEY, 400, "input: must be a string"),
+    ("mixed input", "/v1/embeddings", {"input": ["a", 1]}, KEY, 400, "list of token ids"),
     ("null inputs", "/embed", {"inputs": None}, KEY, 422, "inputs: must be a string or a list of strings"),
     ("token ids to /embed", "/embed", {"inputs": [101, 102]}, KEY, 422, "token ids go to POST /v1/embeddings"),
     ("wrong flag type", "/embed", {"inputs": "x", "normalize": "yes"}, KEY, 422, "normalize"),
     ("misspelt field", "/embed", {"inputs": "x", "normalise": False}, KEY, 422, "normalise: is not a field"),
     ("missing field", "/rerank", {"texts": ["a"]}, KEY, 422, "query"),
-    ("empty input", "/v1/embeddings", {"input": []}, KEY, 422, "input is empty"),
+    ("empty input", "/v1/embeddings", {"input": []}, KEY, 400, "input is empty"),
     ("blank text", "/embed", {"inputs": ["fine", "  "]}, KEY, 422, "inputs[1] is blank"),
-    ("empty token list", "/v1/embeddings", {"input": [[101, 102], []]}, KEY, 422, "input[1] is an empty token-id list"),
-    ("token id out of range", "/v1/embeddings", {"input": [101, 10 ** 6]}, KEY, 422, "outside the model's vocabulary"),
+    ("empty token list", "/v1/embeddings", {"input": [[101, 102], []]}, KEY, 400, "input[1] is an empty token-id list"),
+    ("token id out of range", "/v1/embeddings", {"input": [101, 10 ** 6]}, KEY, 400, "outside the model's vocabulary"),
     ("unknown model", "/v1/embeddings", {"input": "x", "model": "gpt-4"}, KEY, 400, "unknown model 'gpt-4'"),
-    ("unknown format", "/v1/embeddings", {"input": "x", "encoding_format": "xml"}, KEY, 422, "encoding_format"),
-    ("too many dimensions", "/v1/embeddings", {"input": "x", "dimensions": 385}, KEY, 422, "at most 384"),
+    ("unknown format", "/v1/embeddings", {"input": "x", "encoding_format": "xml"}, KEY, 400, "encoding_format"),
+    ("too many dimensions", "/v1/embeddings", {"input": "x", "dimensions": 385}, KEY, 400, "at most 384"),
     ("zero dimensions", "/embed", {"inputs": "x", "dimensions": 0}, KEY, 422, "dimensions"),
     ("too many inputs", "/embed", {"inputs": ["x"] * 33}, KEY, 413, "--max-client-batch 32"),
     ("too many documents", "/rerank", {"query": "q", "documents": ["x"] * 33}, KEY, 413, "--max-client-batch 32"),
@@ -255,7 +257,7 @@ ERRORS = [
     ("no such endpoint", "/v2/embeddings", {"input": "x"}, KEY, 404, "no such endpoint"),
     ("wrong method", "/embed", None, KEY, 405, "does not take that method"),
     ("trailing slash", "/embed/", {"inputs": "x"}, KEY, 404, "no such endpoint"),
-    ("huge dimensions", "/v1/embeddings", {"input": "x", "dimensions": 10 ** 400}, KEY, 422,
+    ("huge dimensions", "/v1/embeddings", {"input": "x", "dimensions": 10 ** 400}, KEY, 400,
      "dimensions 100000000000... (401 digits) is more than the model's 384"),
 ]
 

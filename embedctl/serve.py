@@ -3,7 +3,7 @@
     POST /v1/embeddings  OpenAI-compatible (texts or token ids; float or base64; dimensions; usage)
     POST /embed          text-embeddings-inference-compatible (inputs, normalize, truncate, dimensions)
     POST /rerank         query + texts (TEI reply) or documents (Cohere-style reply), sorted by score
-    GET  /health /metrics /v1/models /docs
+    GET  /health /metrics /v1/models /v1/models/{id} /docs
 
 The app uvicorn runs is _Front, a plain ASGI callable: it checks the API key and the body size,
 records the metrics, and serves the three POST endpoints itself, from the raw body (validated by
@@ -275,10 +275,19 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
         """Prometheus text format."""
         return Response(service.metrics.render(service), media_type="text/plain; version=0.0.4")
 
+    def described() -> dict:
+        return {"id": service.name, "object": "model", "created": service.started, "owned_by": "embedctl"}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": service.name, "object": "model", "created": service.started,
-                                            "owned_by": "embedctl"}]}
+        return {"object": "list", "data": [described()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        """The served model, by its name or its last path part (what openai's models.retrieve asks for)."""
+        if model not in service.names:
+            raise ApiError(404, f"no model {model!r} here; this server serves {service.name!r} (see GET /v1/models)")
+        return described()
 
     routes = {"/v1/embeddings": (EmbeddingsRequest, service.embeddings), "/embed": (EmbedRequest, service.embed),
               "/rerank": (RerankRequest, service.rerank)}
@@ -556,9 +565,11 @@ def _error_body(status: int, message: str) -> bytes:
 
 
 async def _http_error(_: Request, error: HTTPException) -> Response:
-    """FastAPI's own refusals, reworded: no such endpoint, or not that method."""
+    """Refusals in the one error shape; FastAPI's own reworded: no such endpoint, or not that method."""
     message = error.detail
-    if error.status_code == 404:
+    if isinstance(error, ApiError):
+        pass  # ours say what they mean already
+    elif error.status_code == 404:
         message = "no such endpoint; see /docs for the ones this server has"
     elif error.status_code == 405:
         message = "this endpoint does not take that method; see /docs"

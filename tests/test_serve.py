@@ -150,6 +150,9 @@ def test_openai_client_gets_the_vectors_of_embedctl_index(server: Server, client
     batches_before = metric(client, "embedctl_batch_tokens_count")
     api = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
     name = api.models.list().data[0].id
+    assert api.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError, match="no model 'text-embedding-3-small' here"):
+        api.models.retrieve("text-embedding-3-small")
     as_base64 = api.embeddings.create(model=name, input=texts)  # the client asks for base64 by default
     as_float = api.embeddings.create(model=name, input=texts, encoding_format="float")
     one = api.embeddings.create(model=name, input=texts[3], encoding_format="float")

@@ -1,7 +1,7 @@
 """`embedctl serve`: the engine behind HTTP, on uvicorn, with FastAPI for everything but the hot path.
 
     POST /v1/embeddings  OpenAI-compatible (texts or token ids; float or base64; dimensions; usage)
-    POST /embed          text-embeddings-inference-compatible (inputs, normalize, truncate, dimensions)
+    POST /embed          text-embeddings-inference-compatible (inputs, normalize, truncate, prompt_name, dimensions)
     POST /rerank         query + texts (TEI reply) or documents (Cohere-style reply), sorted by score
     GET  /health /metrics /v1/models /v1/models/{id} /docs
 
@@ -19,8 +19,10 @@ work, so requests tokenize in parallel), its sequences join the
 engine.scheduler queue that every client shares, and the loop awaits an asyncio future that the
 scheduler thread resolves through _Wakeups, so no request ever blocks the loop on the engine. The
 engine is loaded without normalisation: vectors are cut to `dimensions` and normalised here, per
-request, which is what lets /embed honour `normalize: false`. /rerank scores by the cosine of
-bi-encoder vectors, or with the model itself when it is a cross-encoder (which then has no vectors).
+request, which is what lets /embed honour `normalize: false`. Texts get the model's prompts as
+`embedctl index` (documents) and `embedctl score` (queries) give them, so that the vectors agree.
+/rerank scores by the cosine of bi-encoder vectors, or with the model itself when it is a
+cross-encoder (which then has no vectors).
 
 Not here: batching (engine.scheduler), the model (engine), tokenization rules (pipelines.tokenize).
 """

@@ -48,7 +48,7 @@ from pipelines.lock import hold_lock
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
-from pipelines.writers import VectorStore, lock_file, open_store, output_schema
+from pipelines.writers import VectorStore, check_output, lock_file, open_store, output_schema
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -197,7 +197,9 @@ def open_corpus(options: IndexOptions) -> CorpusReader:
 
 
 def lock_output(options: IndexOptions) -> AbstractContextManager[None]:
-    """Hold options.out against other runs for the block; raises pipelines.lock.OutputLocked if one holds it."""
+    """Hold options.out against other runs for the block; raises pipelines.lock.OutputLocked if one holds it.
+    An output of no known kind is refused first, before the lock makes its folder."""
+    check_output(options.out, options.table)
     return hold_lock(lock_file(options.out, options.table), options.out)
 
 

@@ -31,6 +31,7 @@ def hold_lock(path: str | None, shown: str) -> Iterator[None]:
         yield
         return
     parent = os.path.dirname(path)
+    made = _missing_folders(parent)  # made for this run: removed again if it leaves them empty
     try:
         if parent:
             os.makedirs(parent, exist_ok=True)
@@ -47,6 +48,20 @@ def hold_lock(path: str | None, shown: str) -> Iterator[None]:
     finally:
         os.unlink(path)  # before the unlock, so that a waiting run never locks a file about to vanish
         os.close(fd)
+        for folder in made:  # deepest first; a failed run leaves no empty folders behind
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break  # not empty: the output is in it
+
+
+def _missing_folders(folder: str) -> list[str]:
+    """folder and its parents that do not exist yet, deepest first."""
+    missing = []
+    while folder and not os.path.exists(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    return missing
 
 
 def _acquire(path: str, shown: str) -> int:

@@ -108,6 +108,12 @@ def lock_file(out: str, table: str | None = None) -> str | None:
     return posixpath.join(parent, f".{base}.lock")
 
 
+def check_output(out: str, table: str | None = None) -> None:
+    """UserError for an out that names no kind of output this module writes."""
+    if table is None and not out.rstrip("/").endswith(".lance"):
+        _locate(out)
+
+
 def _locate(out: str) -> tuple[fsspec.AbstractFileSystem, str, bool]:
     try:
         fs, path = fsspec.core.url_to_fs(out)

@@ -219,6 +219,11 @@ def test_bad_input_is_one_line_and_changes_nothing(bad_runs: dict[str, BadRun], 
 # Paths and options refused before anything is read or written; these write no report either, since
 # the report path may be the very file to protect.
 
+def _unknown_kind_in_new_folders(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--out", "typo/sub/v.json"], ["cannot tell what kind of output typo/sub/v.json is"]
+
+
 def _rebuild_onto_its_source(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs" / "a.jsonl", good_rows("a"))
     return ["docs", "--out", "docs/", "--rebuild"], ["--out docs/ and the input docs overlap", "outside the input"]
@@ -257,7 +262,7 @@ def _lance_output_that_is_a_file(tmp: Path) -> tuple[list, list[str]]:
     return ["docs.jsonl", "--out", "x.lance"], ["cannot open x.lance as a LanceDB table", "pick another --out"]
 
 
-REFUSED = [_lance_output_that_is_a_file, _rebuild_onto_its_source, _output_inside_its_source, _report_onto_the_output, _table_with_parquet,
+REFUSED = [_unknown_kind_in_new_folders, _lance_output_that_is_a_file, _rebuild_onto_its_source, _output_inside_its_source, _report_onto_the_output, _table_with_parquet,
            _unknown_device, _output_under_a_file]
 
 
@@ -271,6 +276,7 @@ def test_overlapping_paths_and_impossible_options_are_one_line_and_change_nothin
     for (tmp, before, phrases, _), result in zip(cases, run_side_by_side([(args, tmp) for tmp, _, _, args in cases])):
         assert_one_error_line(result, *phrases)
         assert snapshot(tmp) == before
+        assert not (tmp / "typo").exists()  # no folder made for an output that was refused
 
 
 def _report_in_a_read_only_folder(tmp: Path) -> tuple[str, list[str], AbstractContextManager]:

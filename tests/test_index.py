@@ -23,7 +23,7 @@ import torch
 import embedctl
 from engine import Engine, EngineConfig, UserError
 from pipelines import writers
-from pipelines.index import IndexModel, IndexOptions, IndexReport, run_index
+from pipelines.index import IndexModel, IndexOptions, IndexReport, lock_output, run_index
 from pipelines.tokenize import TextTokenizer
 from pipelines.tokenize_pool import TokenizerPool
 from tests.files import child_processes, snapshot, write_jsonl
@@ -197,6 +197,14 @@ def test_bad_line_far_in_leaves_no_output(tmp_path: Path, engine: Engine,
                                    UserError, "bad.jsonl line 301: invalid JSON")
     assert watch.rows >= 7  # the failure came after rows had been embedded
     assert not (tmp_path / out).exists()
+
+
+def test_a_failure_leaves_no_folder_made_for_a_new_output(tmp_path: Path, engine: Engine, bad_source: Path) -> None:
+    options = IndexOptions(source=str(bad_source), out=f"{tmp_path}/new/deeper/x.lance", chunk_rows=7)
+    with pytest.raises(UserError, match="bad.jsonl line 301"):
+        with lock_output(options):
+            run_index(IndexModel.loaded(engine), options)
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_failure_with_worker_processes_leaves_no_output_and_no_process(

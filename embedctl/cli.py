@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from enum import Enum
@@ -293,7 +294,10 @@ def _terminate(signum: int, frame: object) -> NoReturn:
 
 def _guarded(run: Callable[[], None], report: Path | None) -> None:
     """Run a command; user errors, Ctrl-C and SIGTERM become one line and an exit code."""
-    signal.signal(signal.SIGTERM, _terminate)  # embedctl serve's uvicorn puts its own in place once it starts
+    # For the command's length only, and only where Python allows it (the main thread: not so for a
+    # caller that runs the CLI in a thread). embedctl serve's uvicorn puts its own in place once it starts.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
         run()
     except UserError as error:
@@ -304,6 +308,9 @@ def _guarded(run: Callable[[], None], report: Path | None) -> None:
         _fail("the GPU ran out of memory; lower --max-batch-tokens or --max-seqs and run again", report)
     except KeyboardInterrupt as stop:
         _interrupted(stop, "no output was changed", report)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _interrupted(stop: KeyboardInterrupt, after: str, report: Path | None) -> NoReturn:

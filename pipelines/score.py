@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import sys
 import time
 import uuid
@@ -379,14 +380,19 @@ def run_score(engine: Engine, tokenizer: TextTokenizer, inputs: Inputs, options:
         raise UserError(f"--reranker {reranker[0].files.name} is not a cross-encoder with one relevance score "
                         f"({'an embedding model' if not labels else f'{labels} labels'}); pass a sequence classifier "
                         "with one label, such as an ms-marco cross-encoder")
-    # nDCG@10 and MRR@10 need ten hits per query, whatever --top-k the run file keeps.
-    kept = max(options.top_k, CUTOFF) if inputs.qrels else options.top_k
-    depth = max(options.rerank_depth or options.top_k, kept) if reranker is not None else kept
-    ranking = rank(engine, tokenizer, inputs.queries, inputs.table or inputs.docs, options, top_k=depth)
+    reranked = (options.rerank_depth or options.top_k) if reranker is not None else 0
+    # nDCG@10 and MRR@10 need ten hits per query, whatever --top-k the run file keeps: with --qrels the
+    # first stage goes ten deep, and what the reranker rescores and the run file hold stay as asked.
+    depth = max(options.top_k, reranked, CUTOFF if inputs.qrels else 0)
+    first = rank(engine, tokenizer, inputs.queries, inputs.table or inputs.docs, options, top_k=depth)
+    ranking, judged = first, first.doc_ids
     if reranker is not None:
-        wanted = {doc_id for hits in ranking.doc_ids for doc_id in hits}
-        ranking = rerank(*reranker, inputs.queries, ranking, document_texts(inputs, wanted), kept)
-    metrics = evaluate(ranking.query_ids, ranking.doc_ids, inputs.qrels, options.top_k, ranking.corpus_ids) \
+        shortlist = first.top(reranked)
+        wanted = {doc_id for hits in shortlist.doc_ids for doc_id in hits}
+        ranking = rerank(*reranker, inputs.queries, shortlist, document_texts(inputs, wanted), reranked)
+        # The metrics read the reranked hits, then the first stage's next ones in its order.
+        judged = [hits + deeper[reranked:] for hits, deeper in zip(ranking.doc_ids, first.doc_ids)]
+    metrics = evaluate(ranking.query_ids, judged, inputs.qrels, options.top_k, ranking.corpus_ids) \
         if inputs.qrels else None
     return ranking.top(options.top_k), metrics
 
@@ -401,13 +407,13 @@ def write_run(ranking: Ranking, options: ScoreOptions) -> None:
         except BrokenPipeError:  # the reader left (`| head`): the rest of the run is not wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's own flush is quiet
         return
-    out = Path(os.path.realpath(options.out))  # through a symbolic link: the link stays, its target is replaced
-    if out.exists() and not out.is_file():  # a FIFO or a device (/dev/stdout): written to, never replaced
-        _write(out, lines, out)
+    if _written_in_place(options.out):
+        _write(Path(options.out), lines, options.out)
         return
+    out = Path(os.path.realpath(options.out))  # through a symbolic link: the link stays, its target is replaced
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        _write(tmp, lines, out)
+        _write(tmp, lines, options.out)
         os.replace(tmp, out)
     except OSError as error:
         raise UserError(f"cannot write {options.out} ({short_reason(error)}); check free space and permissions") from None
@@ -415,7 +421,18 @@ def write_run(ranking: Ranking, options: ScoreOptions) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _write(path: Path, lines: Iterable[str], shown: Path) -> None:
+def _written_in_place(out: str) -> bool:
+    """Whether --out is written into rather than replaced: a FIFO, a device, or a name under /dev or
+    /proc (/dev/stdout is a pipe, a terminal, or the file a shell redirected it to)."""
+    if os.path.abspath(out).startswith(("/dev/", "/proc/")):
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(out).st_mode)  # follows links; a folder was refused up front
+    except OSError:
+        return False  # not there yet (or a dangling link): a new file
+
+
+def _write(path: Path, lines: Iterable[str], shown: str) -> None:
     try:
         with path.open("w", encoding="utf-8") as handle:
             handle.writelines(lines)
@@ -484,12 +501,12 @@ def _check_out(out: Path, overwrite: bool) -> None:
     """Refuse, before any ranking, a --out that the run could not be written to at the end."""
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; give a file name for the run")
-    if out.exists() and not out.is_file():  # a FIFO or a device such as /dev/stdout: written to, not replaced
+    if _written_in_place(str(out)):  # a FIFO or a device such as /dev/stdout: written to, not replaced
         return
     if out.exists() and not overwrite:
         raise UserError(f"{out} already exists; pass --overwrite to replace it or pick another --out")
     folder = Path(os.path.realpath(out)).parent
     if not folder.is_dir():
-        raise UserError(f"--out {out}: the directory {out.parent} does not exist; create it or pick another path")
+        raise UserError(f"--out {out}: the directory {folder} does not exist; create it or pick another path")
     if not os.access(folder, os.W_OK):
         raise UserError(f"--out {out}: the directory {folder} is read-only; pick a writable place for the run")

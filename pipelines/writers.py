@@ -102,6 +102,8 @@ def lock_file(out: str, table: str | None = None) -> str | None:
     if "://" in out and not out.startswith("file://"):
         return None
     path = out.removeprefix("file://").rstrip("/") or "."
+    if os.path.islink(path):  # one lock for the file, whichever link a run reaches it through
+        path = os.path.realpath(path)
     if table is not None:
         return posixpath.join(path, f".{table}.lance.lock")
     parent, base = posixpath.split(path)
@@ -267,7 +269,8 @@ class _ParquetDirStore:
         self._shown, self._fs, self._root, self._schema = shown, fs, path, schema
         self._path = path
         with _io_errors(shown):
-            schemas = [_read_schema(fs, part, shown) for part in self._parts(path)]
+            # A rebuild may replace a part no one can read (a killed run's, most likely); not someone else's data.
+            schemas = [_readable_schema(fs, part, shown, rebuild) for part in self._parts(path)]
             for old in schemas:
                 _refuse_foreign(shown, old)
             if schemas and rebuild:
@@ -355,7 +358,7 @@ class _ParquetFileStore:
         with _io_errors(shown):
             exists = fs.exists(path)
             if exists:
-                _refuse_foreign(shown, _read_schema(fs, path, shown))
+                _refuse_foreign(shown, _readable_schema(fs, path, shown, rebuild))
             self._old = exists and not rebuild
             self._stored: tuple[list[str], list[str]] = ([], [])  # id and content_key of the old rows, in order
             if self._old:
@@ -490,10 +493,21 @@ def _incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
     return None
 
 
-def _refuse_foreign(shown: str, old: pa.Schema) -> None:
+def _readable_schema(fs: fsspec.AbstractFileSystem, path: str, shown: str, rebuild: bool) -> pa.Schema | None:
+    """The file's schema; None for a file that cannot be read when rebuilding (it is replaced, as the
+    error for it without --rebuild advises)."""
+    try:
+        return _read_schema(fs, path, shown)
+    except UserError:
+        if rebuild:
+            return None
+        raise
+
+
+def _refuse_foreign(shown: str, old: pa.Schema | None) -> None:
     """UserError for an existing output that embedctl did not write: neither an update nor --rebuild
-    may overwrite or delete data of someone else's."""
-    if not _embedctl_metadata(old):
+    may overwrite or delete data of someone else's. None: a file no one can read."""
+    if old is not None and not _embedctl_metadata(old):
         raise UserError(f"{shown} holds data that embedctl did not write (no embedctl settings in its schema); "
                         "embedctl will not change or replace it: pick another --out")
 

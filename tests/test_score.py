@@ -188,6 +188,14 @@ def test_jsonl_rows_to_stdout(sample_ranking: tuple[Queries, Ranking], capsys: p
                     for r, (d, s) in enumerate(zip(hits, scores), start=1)]
 
 
+def test_a_run_to_dev_stdout_reaches_a_pipe_and_a_redirected_file() -> None:
+    command = [sys.executable, "-m", "embedctl.cli", "score", str(QUERIES), str(CORPUS), "--top-k", "2", "--out",
+               "/dev/stdout", "-q"]
+    piped = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 0 and len(piped.stdout.splitlines()) == 2 * len(QUERIES.read_text().splitlines()), \
+        piped.stderr
+
+
 def test_a_run_written_through_a_link_or_into_a_fifo_leaves_them_in_place(
         sample_ranking: tuple[Queries, Ranking], tmp_path: Path) -> None:
     _, ranking = sample_ranking
@@ -285,6 +293,18 @@ def test_sample_qrels_score_the_sample_ranking(sample_ranking: tuple[Queries, Ra
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_random_model(tmp_path_factory.mktemp("reranker") / "model", "BertForSequenceClassification", num_labels=1)
+
+
+def test_qrels_change_neither_what_the_reranker_rescores_nor_the_run(model: Embedder, cross_encoder: Path) -> None:
+    reranker = embedctl.load(str(cross_encoder), device="cpu")
+    runs = {}
+    for qrels in (None, str(SAMPLE / "qrels.txt")):
+        options = ScoreOptions(queries=str(QUERIES), docs=str(CORPUS), top_k=3, qrels=qrels)
+        runs[qrels] = run_score(model.engine, model.tokenizer, open_inputs(options), options,
+                                reranker=(reranker.engine, reranker.tokenizer))
+    (plain, _), (judged, metrics) = runs.values()
+    assert judged.doc_ids == plain.doc_ids and judged.reranked == plain.reranked == 3 * len(plain.query_ids)
+    assert metrics.queries_scored > 0
 
 
 def test_rerank_orders_by_the_transformers_cross_encoder(sample_ranking: tuple[Queries, Ranking], cross_encoder: Path,

@@ -318,6 +318,17 @@ def test_parquet_vectors_have_no_dictionary_or_statistics_and_every_other_column
         "vector.list.element", "truncated"]
 
 
+@pytest.mark.parametrize("kind", ["file.parquet", "dir/"])
+def test_rebuild_replaces_a_parquet_output_no_one_can_read(tmp_path, kind):
+    broken = tmp_path / ("file.parquet" if kind == "file.parquet" else "dir/part-00000.parquet")
+    broken.parent.mkdir(exist_ok=True)
+    broken.write_text("not parquet")
+    with pytest.raises(UserError, match="not a readable Parquet file"):
+        open_store(**spec(tmp_path, kind), schema=schema())
+    write(tmp_path, kind, ["a"], rebuild=True)
+    assert read_back(tmp_path, kind).column("id").to_pylist() == ["a"]
+
+
 def test_a_parquet_output_behind_a_symbolic_link_is_updated_where_the_link_points(tmp_path):
     write(tmp_path, "file.parquet", ["a"])
     (tmp_path / "current.parquet").symlink_to("file.parquet")
@@ -326,6 +337,8 @@ def test_a_parquet_output_behind_a_symbolic_link_is_updated_where_the_link_point
     store.finish({"a": "k-a", "b": "k-b"}, prune=False)
     assert (tmp_path / "current.parquet").is_symlink()
     assert sorted(pq.read_table(tmp_path / "file.parquet").column("id").to_pylist()) == ["a", "b"]
+    # A run through the link and a run through the file take one lock.
+    assert lock_file(str(tmp_path / "current.parquet")) == lock_file(str(tmp_path / "file.parquet"))
 
 
 def test_lock_file_sits_hidden_beside_the_output():

@@ -1,8 +1,11 @@
-"""What the benchmarks share: latency percentiles of a call, and the record of when and where a run ran."""
+"""What the benchmarks share: latency percentiles of a call, the record of when and where a run ran, and
+the BERT-base-shaped checkpoint of random weights that stands in for a real one (random weights time like
+real ones)."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -41,3 +44,14 @@ def run_record() -> dict[str, str]:
         "commit": git("rev-parse", "--short", "HEAD") + (" (tree dirty: uncommitted changes)" if dirty else ""),
         "cpu": f"{cpu}, {os.cpu_count()} logical CPUs",
     }
+
+
+def random_bert_base(directory: Path) -> Path:
+    """A BERT-base-shaped sentence-transformers checkpoint of random weights (mean pooling, normalised,
+    512 tokens) in directory, with the tokenizer files tests.models copies (EMBEDCTL_TEST_MODEL's)."""
+    from tests.models import BERT_BASE, save_random_model
+
+    path = save_random_model(directory, pooling="mean", normalize=True, **BERT_BASE)
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
+    return path
+

@@ -34,13 +34,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from bench.common import percentiles
+from bench.common import percentiles, random_bert_base
 from engine import Engine, EngineConfig, PackedBatch
 from pipelines.index import IndexModel, IndexOptions, run_index
 from pipelines.readers import CorpusReader
 from pipelines.tokenize import TextTokenizer
 from pipelines.tokenize_pool import TokenizerPool, default_processes
-from tests.models import BERT_BASE, save_random_model
 
 LATENCY_TOKENS = (16, 128, 512)
 SATURATION_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -106,9 +105,7 @@ def model_dirs(args: argparse.Namespace, scratch: Path) -> dict[str, Path]:
     if "minilm" in args.models:
         dirs["MiniLM-L6"] = args.minilm
     if "bert-base" in args.models:
-        path = save_random_model(scratch / "bert-base", pooling="mean", normalize=True, **BERT_BASE)
-        (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
-        dirs["BERT-base"] = path
+        dirs["BERT-base"] = random_bert_base(scratch / "bert-base")
     return dirs
 
 

@@ -17,8 +17,8 @@ with MiniLM's tokenizer (random weights time like real ones; bench.gpu_engine bu
 from __future__ import annotations
 
 import argparse
-import json
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from bench.common import random_bert_base
 from engine import Engine, EngineConfig
 
 
@@ -84,11 +85,7 @@ def main() -> None:
 def bert_base(minilm: Path, scratch: Path) -> Path:
     """A BERT-base-shaped checkpoint of random weights that tokenizes with MiniLM's tokenizer."""
     os.environ["EMBEDCTL_TEST_MODEL"] = str(minilm)  # where tests.models takes the tokenizer files from
-    from tests.models import BERT_BASE, save_random_model
-
-    path = save_random_model(scratch / "bert-base", pooling="mean", normalize=True, **BERT_BASE)
-    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
-    return path
+    return random_bert_base(scratch / "bert-base")
 
 
 def write_corpus(corpus: Path, directory: Path, docs: int, shard_docs: int) -> Path:

@@ -423,7 +423,7 @@ class _Service:
     async def encode_input(self, value: str | list[str] | list[int] | list[list[int]]) -> Encoded:
         """OpenAI `input`: texts are tokenized and truncated; token ids are checked and truncated."""
         if isinstance(value, str):
-            return await self.encode_texts([value], "input", True, self.prompts["document"])
+            value = [value]
         if value and isinstance(value[0], str):
             return await self.encode_texts(value, "input", True, self.prompts["document"])
         sequences = [value] if value and isinstance(value[0], int) else value

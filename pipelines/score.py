@@ -407,18 +407,19 @@ def write_run(ranking: Ranking, options: ScoreOptions) -> None:
         except BrokenPipeError:  # the reader left (`| head`): the rest of the run is not wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's own flush is quiet
         return
-    if _written_in_place(options.out):
-        _write(Path(options.out), lines, options.out)
-        return
-    out = Path(os.path.realpath(options.out))  # through a symbolic link: the link stays, its target is replaced
-    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.tmp")
+    in_place = _written_in_place(options.out)
+    out = Path(options.out if in_place else os.path.realpath(options.out))  # a link stays; what it names is replaced
+    target = out if in_place else out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        _write(tmp, lines, options.out)
-        os.replace(tmp, out)
+        with target.open("w", encoding="utf-8") as handle:
+            handle.writelines(lines)
+        if not in_place:
+            os.replace(target, out)
     except OSError as error:
         raise UserError(f"cannot write {options.out} ({short_reason(error)}); check free space and permissions") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        if not in_place:
+            target.unlink(missing_ok=True)
 
 
 def _written_in_place(out: str) -> bool:
@@ -430,14 +431,6 @@ def _written_in_place(out: str) -> bool:
         return not stat.S_ISREG(os.stat(out).st_mode)  # follows links; a folder was refused up front
     except OSError:
         return False  # not there yet (or a dangling link): a new file
-
-
-def _write(path: Path, lines: Iterable[str], shown: str) -> None:
-    try:
-        with path.open("w", encoding="utf-8") as handle:
-            handle.writelines(lines)
-    except OSError as error:
-        raise UserError(f"cannot write {shown} ({short_reason(error)}); check free space and permissions") from None
 
 
 def _hits(ranking: Ranking) -> Iterator[tuple[str, str, int, float]]:

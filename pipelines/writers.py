@@ -93,7 +93,7 @@ def open_store(out: str, schema: pa.Schema, table: str | None = None, rebuild: b
     if is_dir:
         return _ParquetDirStore(out, fs, path.rstrip("/"), schema, rebuild, commit_rows)
     if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
-        path = os.path.realpath(path)  # a symbolic link (a "current" link) keeps pointing at the file it names
+        path = _followed(path)  # a symbolic link (a "current" link) keeps pointing at the file it names
     return _ParquetFileStore(out, fs, path, schema, rebuild)
 
 
@@ -101,13 +101,16 @@ def lock_file(out: str, table: str | None = None) -> str | None:
     """The local file that guards out against a second run (beside it, hidden), or None for a remote out."""
     if "://" in out and not out.startswith("file://"):
         return None
-    path = out.removeprefix("file://").rstrip("/") or "."
-    if os.path.islink(path):  # one lock for the file, whichever link a run reaches it through
-        path = os.path.realpath(path)
+    path = _followed(out.removeprefix("file://").rstrip("/") or ".")  # one lock, whichever link leads to it
     if table is not None:
         return posixpath.join(path, f".{table}.lance.lock")
     parent, base = posixpath.split(path)
     return posixpath.join(parent, f".{base}.lock")
+
+
+def _followed(path: str) -> str:
+    """A local path, or the file a symbolic link at it names."""
+    return os.path.realpath(path) if os.path.islink(path) else path
 
 
 def check_output(out: str, table: str | None = None) -> None:
@@ -357,12 +360,12 @@ class _ParquetFileStore:
         self.existing: dict[str, str] = {}
         with _io_errors(shown):
             exists = fs.exists(path)
-            if exists:
-                _refuse_foreign(shown, _readable_schema(fs, path, shown, rebuild))
+            old_schema = _readable_schema(fs, path, shown, rebuild) if exists else None
+            _refuse_foreign(shown, old_schema)
             self._old = exists and not rebuild
             self._stored: tuple[list[str], list[str]] = ([], [])  # id and content_key of the old rows, in order
             if self._old:
-                _check_compatible(shown, _read_schema(fs, path, shown), schema)
+                _check_compatible(shown, old_schema, schema)
                 stored = pq.read_table(path, columns=["id", CONTENT_KEY], filesystem=fs)
                 self._stored = stored.column("id").to_pylist(), stored.column(CONTENT_KEY).to_pylist()
                 self.existing = dict(zip(*self._stored))

@@ -120,7 +120,7 @@ class Engine:
             raise UserError(f"a sequence of {batch.max_seqlen} tokens is longer than the model's max length "
                             f"{self.max_length}; truncate it first")
         if self.runner is not None:
-            return self.ring.readback(*self.runner.run(batch), batch.num_seqs)
+            return self.runner.run(batch, self.ring.readback)
         tokens, seqs = batch.num_tokens, batch.num_seqs
         inputs = np.empty(4 * tokens + seqs + 1, dtype=np.int32)
         batch.write_inputs(inputs, tokens, seqs)

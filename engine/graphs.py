@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ SEQLEN_FLOOR = 512
 Forward = Callable[[torch.Tensor, int, int, Attention], torch.Tensor]
 # (slots of a graph shape, or None for eager runs; lane index) -> a new attention instance for them.
 MakeAttention = Callable[[int | None, int], Attention]
+T = TypeVar("T")
 
 
 def bucket_for(tokens: int) -> int:
@@ -154,20 +156,20 @@ class GraphRunner:
         self.last_used = lanes - 1
         self.hits: dict[tuple[int, int, int], int] = {}
 
-    def run(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.cuda.Stream]:
-        """Enqueue the batch on a lane; returns the device tensor whose first num_seqs rows are its
-        vectors, and the lane's stream.
+    def run(self, batch: PackedBatch, read: Callable[[torch.Tensor, torch.cuda.Stream], T]) -> T:
+        """Enqueue the batch on a lane, then read(vectors, stream) with the lane's stream current; returns what read does.
 
-        The tensor belongs to the lane's graph (or to the allocator) and is valid until the lane's
-        next run: the caller must enqueue its copy on that stream before then, as the readback
-        ring does.
+        vectors (the batch's num_seqs rows on the device) belong to the lane's graph or to the
+        allocator, valid until the lane's next run, so read must enqueue its copy on that stream, as
+        the readback ring does. Both run inside one stream context: entering one builds Stream
+        objects, host time that a batch-1 request waits for in full.
         """
         lane = self._free_lane()
         lane.batches += 1
         with torch.cuda.stream(lane.stream):
-            output = self._run(lane, batch)
+            result = read(self._run(lane, batch)[: batch.num_seqs], lane.stream)
         lane.done.record(lane.stream)
-        return output, lane.stream
+        return result
 
     def _free_lane(self) -> _Lane:
         """The first lane whose last batch has been computed, else the one after the lane used last."""

@@ -49,20 +49,22 @@ class PinnedRing:
 
     def __init__(self, slots: int, max_rows: int, dim: int) -> None:
         self.buffers = [torch.empty(max_rows, dim, dtype=torch.float32, pin_memory=True) for _ in range(slots)]
+        # One event per slot, re-recorded: its LazyTensor is resolved before the slot is reused.
+        self.copied = [torch.cuda.Event() for _ in range(slots)]
         self.owners: list[LazyTensor | None] = [None] * slots
         self.next = 0
 
-    def readback(self, device_result: torch.Tensor, stream: torch.cuda.Stream, rows: int) -> LazyTensor:
-        """Enqueue the copy of device_result[:rows] on `stream`, the one that computes it; return its LazyTensor."""
+    def readback(self, device_rows: torch.Tensor, stream: torch.cuda.Stream) -> LazyTensor:
+        """Enqueue the copy of device_rows on `stream`, which must be current and the one that computes
+        them; return its LazyTensor."""
         slot = self.next
         self.next = (slot + 1) % len(self.buffers)
         previous = self.owners[slot]
         if previous is not None:
             previous.result()
-        host = self.buffers[slot][:rows]
-        with torch.cuda.stream(stream):
-            host.copy_(device_result[:rows], non_blocking=True)
-        event = torch.cuda.Event()
+        host = self.buffers[slot][: device_rows.shape[0]]
+        host.copy_(device_rows, non_blocking=True)
+        event = self.copied[slot]
         event.record(stream)
         self.owners[slot] = lazy = LazyTensor(host, event)
         return lazy

@@ -1,0 +1,120 @@
+"""Batch-1 step latency of the engine from several source trees, side by side in one run: the A/B of an engine change.
+
+An arm is a name and a directory holding an `engine/` package: `.` for the working tree, or a commit's
+engine exported with `mkdir -p .ab/C && git archive C engine | tar -x -C .ab/C`. Each arm runs in a
+process of its own (so it imports its own engine) and the arms take turns for --rounds rounds, so a
+drift of the machine hits them alike. Per arm, model and token count: p50 / p99 ms of
+Engine.step(batch).result() with the device drained after each call (as bench.gpu_engine and
+bench.gpu_qwen3 time it), the engine at its defaults but for --attention; the report keeps each arm's
+best round and the ratio of its p50 to the first arm's.
+Models: all-MiniLM-L6-v2 (the real checkpoint, --minilm), and random-weight BERT-base and
+Qwen3-Embedding-0.6B shapes, made once and shared by every arm (random weights time like real ones).
+
+    python3 -m bench.step_latency --minilm .bundle/minilm --arms new=.,before=.ab/042c3c4 --out bench-out/step_latency
+writes results.json and report.md under --out and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+POINTS = {"minilm": (16, 128), "bert-base": (16, 128), "qwen3-0.6b": (128, 512, 4096)}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", required=True, help="comma-separated NAME=DIR, DIR holding an engine/ package")
+    parser.add_argument("--minilm", type=Path, required=True, help="all-MiniLM-L6-v2 directory")
+    parser.add_argument("--models", default=",".join(POINTS), help=f"comma-separated, from: {', '.join(POINTS)}")
+    parser.add_argument("--attention", default="auto", help="the engine's attention backend")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=200, help="timed calls per point")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/step_latency"))
+    return parser.parse_args()
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:  # a child process: one arm's job, as JSON
+        worker(json.loads(sys.argv[2]))
+        return
+    args = parse_args()
+    arms = dict(arm.split("=", 1) for arm in args.arms.split(","))
+    models = {name: str(path) for name, path in checkpoints(args.models.split(","), args.minilm).items()}
+    rounds: list[dict] = []
+    for round_index in range(args.rounds):
+        order = list(arms)[round_index % len(arms):] + list(arms)[: round_index % len(arms)]
+        for arm in order:
+            job = {"tree": str(Path(arms[arm]).resolve()), "models": models, "attention": args.attention,
+                   "repeats": args.repeats}
+            child = subprocess.run([sys.executable, "-m", "bench.step_latency", "--worker", json.dumps(job)],
+                                   capture_output=True, text=True)
+            if child.returncode != 0:
+                raise SystemExit(f"arm {arm} failed:\n{child.stderr[-4000:]}")
+            result = json.loads(child.stdout.strip().splitlines()[-1])
+            rounds.append({"arm": arm, "round": round_index, **result})
+            print(f"round {round_index} {arm}: {json.dumps(result)}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps({"arms": arms, "rounds": rounds}, indent=2))
+    report = render(list(arms), rounds)
+    (args.out / "report.md").write_text(report)
+    print(report)
+
+
+def checkpoints(names: list[str], minilm: Path) -> dict[str, Path]:
+    from bench.common import random_bert_base
+    from tests.test_qwen3 import QWEN3_06B, save_random_qwen3
+
+    folder = Path(tempfile.mkdtemp(prefix="embedctl-step-latency-"))
+    makers = {"minilm": lambda: minilm, "bert-base": lambda: random_bert_base(folder / "bert-base"),
+              "qwen3-0.6b": lambda: save_random_qwen3(folder / "qwen3", device="cuda", **QWEN3_06B)}
+    return {name: makers[name]() for name in names}
+
+
+def worker(job: dict) -> None:
+    """One arm: load each model with the arm's engine, time batch 1 at each point; one JSON line on stdout."""
+    sys.path.insert(0, job["tree"])
+    import numpy as np
+    import torch
+
+    import engine
+    from bench.common import percentiles
+    from engine import Engine, EngineConfig, PackedBatch
+
+    assert Path(engine.__file__).resolve().is_relative_to(job["tree"]), engine.__file__
+    drain = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    rng = np.random.default_rng(0)
+    out: dict = {"engine": str(Path(engine.__file__).parent), "latency": {}}
+    for name, path in job["models"].items():
+        model = Engine.load(path, EngineConfig(attention=job["attention"]))
+        out["attention " + name] = model.attention
+        for tokens in POINTS[name]:
+            batch = PackedBatch.of([rng.integers(1000, 29000, tokens).astype(np.int32)])
+            out["latency"][f"{name} {tokens}"] = percentiles(
+                lambda: (model.step(batch).result(), drain()), job["repeats"])
+        del model
+        torch.cuda.empty_cache()
+    print(json.dumps(out), flush=True)
+
+
+def render(arms: list[str], rounds: list[dict]) -> str:
+    points = list(rounds[0]["latency"])
+    best = {arm: {point: min((r["latency"][point] for r in rounds if r["arm"] == arm), key=lambda p: p["p50_ms"])
+                  for point in points} for arm in arms}
+    lines = ["batch 1, p50 / p99 ms (best round of each arm), and p50 against the first arm's", "",
+             "| arm | " + " | ".join(points) + " |", "|---" * (1 + len(points)) + "|"]
+    for arm in arms:
+        cells = []
+        for point in points:
+            p50, p99 = best[arm][point]["p50_ms"], best[arm][point]["p99_ms"]
+            cells.append(f"{p50:.3f} / {p99:.3f} ({p50 / best[arms[0]][point]['p50_ms']:.2f}x)")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

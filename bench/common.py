@@ -1,6 +1,6 @@
-"""What the benchmarks share: latency percentiles of a call, the record of when and where a run ran, and
-the BERT-base-shaped checkpoint of random weights that stands in for a real one (random weights time like
-real ones)."""
+"""What the benchmarks share: latency percentiles of a call, the record of when and where a run ran, a
+profiled step's GPU span and idle time, and the BERT-base-shaped checkpoint of random weights that
+stands in for a real one (random weights time like real ones)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,22 @@ def run_record() -> dict[str, str]:
         "commit": git("rev-parse", "--short", "HEAD") + (" (tree dirty: uncommitted changes)" if dirty else ""),
         "cpu": f"{cpu}, {os.cpu_count()} logical CPUs",
     }
+
+
+def gpu_span_and_idle_us(trace) -> tuple[float, float]:  # noqa: ANN001 - torch.profiler.profile
+    """From the first GPU activity of a profiled step to its last, and how much of that the GPU had
+    nothing running: launch gaps between kernels and waits on the host."""
+    import torch
+
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in trace.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not intervals:
+        return 0.0, 0.0
+    idle, reached = 0.0, intervals[0][1]
+    for start, end in intervals[1:]:
+        idle += max(0.0, start - reached)
+        reached = max(reached, end)
+    return reached - intervals[0][0], idle
 
 
 def random_bert_base(directory: Path) -> Path:

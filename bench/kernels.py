@@ -56,6 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bench.common import gpu_span_and_idle_us
 from engine import Engine, EngineConfig, PackedBatch
 from engine.attention import AttentionLayout, SdpaAttention
 from tests.models import BERT_BASE, save_random_model
@@ -634,20 +635,6 @@ def profile_step(engine: Engine, batch: PackedBatch, label: str, repeats: int) -
         rows.append({"config": label, "kernel": event.key[:80], "calls": event.count,
                      "total_us": event.self_device_time_total, "pct": 100 * event.self_device_time_total / total})
     return rows
-
-
-def gpu_span_and_idle_us(trace) -> tuple[float, float]:  # noqa: ANN001 - torch.profiler.profile
-    """From the first GPU activity of a step to its last, and how much of that the GPU had nothing
-    running: launch gaps between kernels and waits on the host."""
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in trace.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA)
-    if not intervals:
-        return 0.0, 0.0
-    idle, reached = 0.0, intervals[0][1]
-    for start, end in intervals[1:]:
-        idle += max(0.0, start - reached)
-        reached = max(reached, end)
-    return reached - intervals[0][0], idle
 
 
 ENCODER_BATCHES, QWEN3_BATCHES = ((64, 256), (1, 16)), ((1, 128), (1, 4096), (32, 512))

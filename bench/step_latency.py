@@ -6,7 +6,9 @@ process of its own (so it imports its own engine) and the arms take turns for --
 drift of the machine hits them alike. Per arm, model and token count: p50 / p99 ms of
 Engine.step(batch).result() with the device drained after each call (as bench.gpu_engine and
 bench.gpu_qwen3 time it), the engine at its defaults but for --attention; the report keeps each arm's
-best round and the ratio of its p50 to the first arm's.
+best round and the ratio of its p50 to the first arm's. With --profile, one more step per point runs
+under torch.profiler: its kernels, their GPU time, and the span and idle time of the step on the GPU
+(bench.common.gpu_span_and_idle_us), so a difference shows as GPU work or as gaps.
 Models: all-MiniLM-L6-v2 (the real checkpoint, --minilm), and random-weight BERT-base and
 Qwen3-Embedding-0.6B shapes, made once and shared by every arm (random weights time like real ones).
 
@@ -21,6 +23,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 POINTS = {"minilm": (16, 128), "bert-base": (16, 128), "qwen3-0.6b": (128, 512, 4096)}
@@ -34,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--attention", default="auto", help="the engine's attention backend")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=200, help="timed calls per point")
+    parser.add_argument("--profile", action="store_true", help="profile one step per point and arm")
     parser.add_argument("--out", type=Path, default=Path("bench-out/step_latency"))
     return parser.parse_args()
 
@@ -50,7 +54,8 @@ def main() -> None:
         order = list(arms)[round_index % len(arms):] + list(arms)[: round_index % len(arms)]
         for arm in order:
             job = {"tree": str(Path(arms[arm]).resolve()), "models": models, "attention": args.attention,
-                   "repeats": args.repeats}
+                   "repeats": args.repeats,
+                   "profile": args.profile}
             child = subprocess.run([sys.executable, "-m", "bench.step_latency", "--worker", json.dumps(job)],
                                    capture_output=True, text=True)
             if child.returncode != 0:
@@ -88,7 +93,7 @@ def worker(job: dict) -> None:
     assert Path(engine.__file__).resolve().is_relative_to(job["tree"]), engine.__file__
     drain = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     rng = np.random.default_rng(0)
-    out: dict = {"engine": str(Path(engine.__file__).parent), "latency": {}}
+    out: dict = {"engine": str(Path(engine.__file__).parent), "latency": {}, "profile": {}}
     for name, path in job["models"].items():
         model = Engine.load(path, EngineConfig(attention=job["attention"]))
         out["attention " + name] = model.attention
@@ -96,9 +101,29 @@ def worker(job: dict) -> None:
             batch = PackedBatch.of([rng.integers(1000, 29000, tokens).astype(np.int32)])
             out["latency"][f"{name} {tokens}"] = percentiles(
                 lambda: (model.step(batch).result(), drain()), job["repeats"])
+            if job["profile"]:
+                out["profile"][f"{name} {tokens}"] = profiled(lambda: model.step(batch).result())
         del model
         torch.cuda.empty_cache()
     print(json.dumps(out), flush=True)
+
+
+def profiled(step: Callable[[], object]) -> dict:
+    """One step under torch.profiler: kernel count and GPU time, the step's span and idle time on the
+    GPU (microseconds), and its eight costliest kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.common import gpu_span_and_idle_us
+
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        step()
+    kernels = [e for e in trace.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    span, idle = gpu_span_and_idle_us(trace)
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
+    return {"kernels": sum(e.count for e in kernels), "kernel_us": sum(e.self_device_time_total for e in kernels),
+            "span_us": span, "idle_us": idle,
+            "top": [[e.key[:90], e.count, round(e.self_device_time_total, 1)] for e in top]}
 
 
 def render(arms: list[str], rounds: list[dict]) -> str:
@@ -113,6 +138,14 @@ def render(arms: list[str], rounds: list[dict]) -> str:
             p50, p99 = best[arm][point]["p50_ms"], best[arm][point]["p99_ms"]
             cells.append(f"{p50:.3f} / {p99:.3f} ({p50 / best[arms[0]][point]['p50_ms']:.2f}x)")
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    profiles = [r for r in rounds if r.get("profile")]
+    if profiles:
+        lines += ["", "profiled step: kernels, kernel us, GPU span us, idle us (each arm's first round)", "",
+                  "| arm | " + " | ".join(points) + " |", "|---" * (1 + len(points)) + "|"]
+        for arm in arms:
+            first = next(r["profile"] for r in profiles if r["arm"] == arm)
+            lines.append(f"| {arm} | " + " | ".join(
+                "{kernels} / {kernel_us:.0f} / {span_us:.0f} / {idle_us:.0f}".format(**first[point]) for point in points) + " |")
     return "\n".join(lines)
 
 

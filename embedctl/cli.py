@@ -96,7 +96,7 @@ def index(
     overwrite: Annotated[bool, typer.Option(hidden=True)] = False,
     append: Annotated[bool, typer.Option(hidden=True)] = False,
     on_long: Annotated[OnLong, typer.Option(help="Texts over the max length: truncate (recorded per row) or error.")] = OnLong.truncate,
-    on_empty: Annotated[OnEmpty, typer.Option(help="Null or blank texts: skip (counted) or error.")] = OnEmpty.skip,
+    on_empty: Annotated[OnEmpty, typer.Option(help="Null or blank texts: skip (counted; an older vector of the id is deleted) or error.")] = OnEmpty.skip,
     on_duplicate: Annotated[OnDuplicate, typer.Option(help="Repeated ids: error, or skip all but the first.")] = OnDuplicate.error,
     max_batch_tokens: BatchTokensOpt = None,
     max_seqs: MaxSeqsOpt = 512,

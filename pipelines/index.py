@@ -7,8 +7,9 @@ Every row gets a content key: a hash of its text, its kept columns, the prompt a
 decide its vector (weights, pooling, normalisation, max length, dim). Rows whose id the output already
 holds under the same key are unchanged: they are counted and never tokenized or embedded. The rest are
 embedded and committed by the store in groups (pipelines/writers.py), so a run that fails or is killed
-keeps its committed groups and the same command resumes after them; with prune, ids that left the
-source are deleted at the end. Bounded queues join the stages, so memory stays flat (but for the ids
+keeps its committed groups and the same command resumes after them. At the end, ids whose text the
+source now holds empty are deleted (their vectors were made from a text that is gone), and with prune
+ids that left the source. Bounded queues join the stages, so memory stays flat (but for the ids
 and keys of the output and of the source) and the engine always has the next batch queued: while the
 device computes batch N+1, the results thread waits on batch N's LazyTensor. The writer's queue holds
 the chunks of a commit group (at most WRITER_QUEUE_CHUNKS): a commit, or a Parquet row group, takes
@@ -228,7 +229,9 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
         store = open_store(options.out, schema, options.table, options.rebuild,
                            options.commit_rows)
         source: dict[str, str] = {}  # id -> content key of every row a fresh build would write
-        selections = _select(_chain(first, chunks), options, report, _ContentKeys(settings), store.existing, source)
+        emptied: set[str] = set()  # ids of the output that the source lists with an empty text
+        selections = _select(_chain(first, chunks), options, report, _ContentKeys(settings), store.existing, source,
+                             emptied)
         tokenized = flow.stage(_tokenize(selections, model, options, reader.total_rows))
         if progress is not None:
             progress(0, 0, reader.total_rows)
@@ -242,7 +245,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
             raise UserError(f"the source holds no rows to index, so --prune would delete all {len(store.existing):,} "
                             f"rows of {options.out}; check the source (an empty export?), or remove the output to "
                             "start it empty")
-        report.deleted = store.finish(source, options.prune)
+        report.deleted = store.finish(source, options.prune, emptied - source.keys())
     except BaseException:
         flow.cancel()
         if store is not None:
@@ -296,14 +299,17 @@ class _ContentKeys:
 
 
 def _select(chunks: Iterator[Chunk], options: IndexOptions, report: IndexReport, keys: _ContentKeys,
-            existing: dict[str, str], source: dict[str, str]) -> Iterator[_Selection]:
-    """The rows of each chunk the output lacks or holds under another key; note every wanted row in source."""
+            existing: dict[str, str], source: dict[str, str], emptied: set[str]) -> Iterator[_Selection]:
+    """The rows of each chunk the output lacks or holds under another key; note every wanted row in source,
+    and in emptied the existing ids whose text is empty."""
     for chunk in chunks:
         report.rows_read += len(chunk.ids)
         kept = chunk.kept.to_pylist() if chunk.kept is not None else None
         rows, row_keys = [], []
         for row in range(len(chunk.ids)):
             if not _wanted(chunk, row, options, report, source):
+                if chunk.ids[row] in existing and _empty(chunk.texts[row]):
+                    emptied.add(chunk.ids[row])
                 continue
             row_id = chunk.ids[row]
             key = source[row_id] = keys.of(chunk.texts[row], kept[row] if kept is not None else None)
@@ -365,7 +371,7 @@ def _wanted(chunk: Chunk, row: int, options: IndexOptions, report: IndexReport, 
     """Whether a row belongs in the output (seen: the rows that do so far): False (counted) for an empty text
     or a repeated id when skipping."""
     row_id, text = chunk.ids[row], chunk.texts[row]
-    if not text or text.isspace():  # no stripped copy: the tokenizer strips once
+    if _empty(text):
         if options.on_empty == "error":
             raise UserError(f"{chunk.where(row)}: empty text (id {row_id!r}); remove the row or pass --on-empty skip")
         report.skipped_empty += 1
@@ -377,6 +383,10 @@ def _wanted(chunk: Chunk, row: int, options: IndexOptions, report: IndexReport, 
         report.skipped_duplicate += 1
         return False
     return True
+
+
+def _empty(text: str | None) -> bool:
+    return not text or text.isspace()  # no stripped copy: the tokenizer strips once
 
 
 def _assemble(results: Iterable[tuple], report: IndexReport, progress: Progress | None,

@@ -5,7 +5,7 @@ with this run's settings and columns; with rebuild it builds a replacement besid
 maps the ids the store holds to their content keys. write() takes record batches and commits them in
 groups of commit_rows rows, each group atomically: a Lance version (merge_insert by id when the group
 holds ids the table already has), or a Parquet part written under a temporary name and renamed into
-place. finish() commits the rest, removes rows that the run superseded or pruned and, for a rebuild,
+place. finish() commits the rest, removes rows that the run superseded, emptied or pruned and, for a rebuild,
 swaps the replacement in. abort() drops what is not committed. Committed groups stay through a failure
 or a kill: that partial output is what lets the next run resume, and it is the one state in which an
 output holds part of a run.
@@ -24,6 +24,7 @@ import posixpath
 import re
 import uuid
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -70,7 +71,7 @@ class VectorStore(Protocol):
 
     def write(self, batch: pa.RecordBatch) -> None: ...
 
-    def finish(self, source: dict[str, str], prune: bool) -> int: ...
+    def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset()) -> int: ...
 
     def abort(self) -> None: ...
 
@@ -79,8 +80,9 @@ def open_store(out: str, schema: pa.Schema, table: str | None = None, rebuild: b
                commit_rows: int = 10_000) -> VectorStore:
     """A store for out; raises UserError, before changing anything, if out cannot take this schema.
 
-    finish(source, prune) takes the id -> content_key of every row of the run's source and returns how
-    many ids it deleted: with prune, those that are not in source.
+    finish(source, prune, emptied) takes the id -> content_key of every row of the run's source and the
+    ids the source lists with an empty text, and returns how many ids it deleted: those of emptied, and
+    with prune all that are not in source.
     """
     if commit_rows < 1:
         raise UserError(f"--commit-rows {commit_rows}: give a positive number of rows")
@@ -165,12 +167,13 @@ class _Groups:
 
 class _Survivors:
     """Which stored rows stay at finish, asked newest copy first: one row per id, and for an id of the
-    source only the source's version of it; ids that left the source stay unless pruned."""
+    source only the source's version of it; ids that left the source stay unless pruned, and ids the
+    source lists with an empty text go (their vectors were made from a text that is gone)."""
 
-    def __init__(self, source: dict[str, str], prune: bool) -> None:
-        self._source, self._prune = source, prune
+    def __init__(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str]) -> None:
+        self._source, self._prune, self._emptied = source, prune, emptied
         self._kept: set[str] = set()
-        self.pruned: set[str] = set()
+        self.deleted: set[str] = set()
 
     def mask(self, ids: list[str], keys: list[str]) -> list[bool]:
         stays = []
@@ -179,9 +182,9 @@ class _Survivors:
             if row_id in self._kept:
                 keep = False
             elif wanted is None:
-                keep = not self._prune
-                if self._prune:
-                    self.pruned.add(row_id)
+                keep = not self._prune and row_id not in self._emptied
+                if not keep:
+                    self.deleted.add(row_id)
             else:
                 keep = key == wanted
             if keep:
@@ -242,13 +245,14 @@ class _LanceStore:
             else:  # only new ids: a plain append, with no join against the whole table
                 self._table.add(group)
 
-    def finish(self, source: dict[str, str], prune: bool) -> int:
+    def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset()) -> int:
         replace = self._target != self._name
         if (group := self._groups.take()) is not None:
             self._commit(group)
         elif self._table is None:  # an empty source still makes an (empty) table
             self._commit(self._schema.empty_table())
-        gone = sorted(self.existing.keys() - source.keys()) if prune or replace else []
+        doomed = self.existing.keys() if prune or replace else self.existing.keys() & emptied
+        gone = sorted(doomed - source.keys())
         with _io_errors(self._shown):
             for start in range(0, len(gone), _DELETE_IDS):
                 quoted = ", ".join("'" + row_id.replace("'", "''") + "'" for row_id in gone[start:start + _DELETE_IDS])
@@ -314,11 +318,11 @@ class _ParquetDirStore:
             _replace(self._fs, posixpath.join(self._path, name), group)
         self._next += 1
 
-    def finish(self, source: dict[str, str], prune: bool) -> int:
+    def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset()) -> int:
         replace = self._path != self._root
         if (group := self._groups.take()) is not None:
             self._commit(group)
-        survivors = _Survivors(source, prune or replace)
+        survivors = _Survivors(source, prune or replace, emptied)
         with _io_errors(self._shown):
             self._fs.makedirs(self._path, exist_ok=True)
             for part in reversed(self._parts(self._path)):
@@ -330,7 +334,7 @@ class _ParquetDirStore:
                     _replace(self._fs, part, pq.read_table(part, filesystem=self._fs).filter(pa.array(stays)))
             if replace:
                 self._swap_in()
-        return len(survivors.pruned)
+        return len(survivors.deleted)
 
     def _swap_in(self) -> None:
         """Move the staged parts into the directory, numbered after the old ones, then remove the old ones.
@@ -382,8 +386,8 @@ class _ParquetFileStore:
             self._sink.write(batch)
         self._written.append(batch.select(["id", CONTENT_KEY]))
 
-    def finish(self, source: dict[str, str], prune: bool) -> int:
-        survivors = _Survivors(source, prune)
+    def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset()) -> int:
+        survivors = _Survivors(source, prune, emptied)
         if self._stored[0]:  # old rows to sort out; the new rows come first and stay
             for batch in self._written:
                 survivors.mask(batch.column("id").to_pylist(), batch.column(CONTENT_KEY).to_pylist())
@@ -401,7 +405,7 @@ class _ParquetFileStore:
             self._sink.close()
             self._fs.mv(self._tmp, self._path)
         self._closed = True
-        return len(survivors.pruned)
+        return len(survivors.deleted)
 
     def abort(self) -> None:
         if self._closed:

@@ -196,6 +196,26 @@ def test_changed_rows_alone_are_embedded_and_the_output_equals_a_fresh_build(wor
         assert_same_rows(table, fresh)
 
 
+def test_a_text_emptied_in_the_source_deletes_its_old_vector_without_prune(work: Path) -> None:
+    rows = documents(40, seed=7, prefix="e")
+    write_jsonl(work / "e1.jsonl", rows)
+    outputs = ["e.lance", "e.parquet", "edir/"]
+    side_by_side(work, *[("e1.jsonl", out) for out in outputs])
+    emptied = [dict(row) for row in rows]
+    for row, text in zip(emptied[3:6], ["", "  \n", None]):
+        row["text"] = text
+    write_jsonl(work / "e2.jsonl", emptied)
+
+    side_by_side(work, *[("e2.jsonl", out, "--report", f"e{n}.json") for n, out in enumerate(outputs)],
+                 ("e2.jsonl", "efresh.parquet"))
+    fresh = read(work, "efresh.parquet")
+    assert fresh.num_rows == len(rows) - 3
+    for n, out in enumerate(outputs):
+        done = report(work, f"e{n}.json")
+        assert (done["deleted"], done["skipped_empty"], done["unchanged"]) == (3, 3, len(rows) - 3), out
+        assert_same_rows(read(work, out), fresh)
+
+
 def test_other_settings_are_refused_and_rebuild_replaces(work: Path) -> None:
     write_jsonl(work / "s.jsonl", documents(200, seed=3))
     side_by_side(work, ("s.jsonl", "s.lance"))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 import typer
 
-from embedctl.progress import index_progress
+from embedctl.progress import progress_bars
 from engine import EngineConfig, ModelSpec, UserError
 from engine.checkpoint import resolve_model
 from pipelines.index import IndexModel, IndexOptions, lock_output, open_corpus, run_index
@@ -152,8 +152,8 @@ def index(
         index_model = IndexModel(spec, load_engine, on_gpu=lambda: config.torch_device().type == "cuda")
         try:
             with lock_output(options):  # taken before the model loads: a refused run returns at once
-                with index_progress(enabled=not quiet and sys.stderr.isatty()) as progress:
-                    result = run_index(index_model, options, progress, corpus)
+                with progress_bars(enabled=not quiet and sys.stderr.isatty()) as bars:
+                    result = run_index(index_model, options, bars("embedding", "rows") if bars else None, corpus)
         except OutputLocked as error:  # not written to --report: the run that holds the lock owns it
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(EXIT_LOCKED) from None
@@ -176,7 +176,8 @@ def index(
 def score(
     queries: Annotated[str, typer.Argument(help="Queries: a Parquet/JSONL file, a directory, a glob or an fsspec URL.")],
     docs: Annotated[Optional[str], typer.Argument(help="Documents to rank, read like QUERIES (with --index: only their texts, for --reranker).")] = None,
-    index: Annotated[Optional[str], typer.Option(help="Rank the vectors of a table built by `embedctl index` (x.lance, x.parquet, dir/).")] = None,
+    index: Annotated[Optional[str], typer.Option(help="Rank the vectors of a table built by `embedctl index` (x.lance, x.parquet, dir/, or a LanceDB URI with --table).")] = None,
+    table: Annotated[Optional[str], typer.Option(help="Table name when --index is a LanceDB URI.")] = None,
     top_k: Annotated[int, typer.Option(help="Documents kept per query.")] = 10,
     reranker: Annotated[Optional[str], typer.Option(help="Cross-encoder model that rescores each query's top hits.")] = None,
     rerank_depth: Annotated[Optional[int], typer.Option(help="Hits per query the reranker rescores (default: --top-k).")] = None,
@@ -197,7 +198,7 @@ def score(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the summary and metrics as JSON to this file.")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary line.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
 ) -> None:
     """Rank documents for every query in QUERIES by cosine (bi-encoder), optionally rerank, and write the top-k.
 
@@ -209,7 +210,7 @@ def score(
 
     def run() -> None:
         _check_report_path(report)
-        options = ScoreOptions(queries=queries, docs=docs, index=index, reranker=reranker, rerank_depth=rerank_depth,
+        options = ScoreOptions(queries=queries, docs=docs, index=index, table=table, reranker=reranker, rerank_depth=rerank_depth,
                                qrels=qrels, out=out, top_k=top_k, format=run_format.value, overwrite=overwrite,
                                text_col=text_col, id_col=id_col, query_prompt=query_prompt, doc_prompt=doc_prompt,
                                query_prompt_name=query_prompt_name, doc_prompt_name=doc_prompt_name)
@@ -219,8 +220,9 @@ def score(
         if inputs.table is not None:  # queries embedded as the table's documents were (dim, max length, ...)
             query_config = inputs.table.query_config(ModelSpec.of(resolve_model(model), query_config), query_config)
         engine, tokenizer = _load(model, query_config)
-        ranking, metrics = run_score(engine, tokenizer, inputs, options,
-                                     reranker=_load(reranker, config) if reranker is not None else None)
+        rescorer = _load(reranker, config) if reranker is not None else None
+        with progress_bars(enabled=not quiet and sys.stderr.isatty()) as bars:
+            ranking, metrics = run_score(engine, tokenizer, inputs, options, rescorer, bars)
         write_run(ranking, options)
         if not quiet:
             typer.echo(ranking.summary(out), err=True)

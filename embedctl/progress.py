@@ -1,36 +1,45 @@
-"""What a person watching `embedctl index` sees: a rich progress bar on stderr while it runs.
+"""What a person watching `embedctl index` or `embedctl score` sees: rich progress bars on stderr while it runs.
 
-It shows rows done (of the total when the corpus knows it), tokens/s, elapsed time and the ETA. It
-is not the run's summary line, which the command prints after the bar has gone.
+A bar shows items done (of the total when the input knows it), tokens/s (items/s where nothing is
+embedded), elapsed time and the ETA. A run opens one bar per phase (score: ranking, then
+reranking). Bars are not the run's summary line, which the command prints after they have gone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from pipelines.index import Progress as IndexProgress
+from pipelines.progress import Progress as PipelineProgress
+
+# (label, unit) -> the callback that moves a new bar, e.g. bars("embedding", "rows").
+Bars = Callable[[str, str], PipelineProgress]
 
 
 @contextmanager
-def index_progress(enabled: bool) -> Iterator[IndexProgress | None]:
-    """Yields a progress callback for run_index that moves the bar; None when disabled."""
+def progress_bars(enabled: bool) -> Iterator[Bars | None]:
+    """Yields a maker of bars, each with its own pipelines.progress callback; None when disabled."""
     if not enabled:
         yield None
         return
-    columns = [TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[unit]}"),
                TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("{task.fields[eta]}"),
                TimeRemainingColumn()]
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("index", total=None, rate="", eta="")
+    with Progress(*columns, console=Console(stderr=True), transient=True) as display:
 
-        def update(rows: int, tokens: int, total_rows: int | None) -> None:
-            elapsed = bar.tasks[0].elapsed or 0.0
-            rate = f"{tokens / elapsed:,.0f} tokens/s" if elapsed else ""
-            # Without a total there is no ETA, and TimeRemainingColumn shows nothing: so no label either.
-            bar.update(task, completed=rows, total=total_rows, rate=rate, eta="ETA" if total_rows else "")
+        def bar(label: str, unit: str) -> PipelineProgress:
+            task = display.add_task(label, total=None, unit=unit, rate="", eta="")
 
-        yield update
+            def update(done: int, tokens: int, total: int | None) -> None:
+                elapsed = next(t for t in display.tasks if t.id == task).elapsed or 0.0
+                rate = "" if not elapsed else (f"{tokens / elapsed:,.0f} tokens/s" if tokens
+                                               else f"{done / elapsed:,.0f} {unit}/s")
+                # Without a total there is no ETA, and TimeRemainingColumn shows nothing: so no label either.
+                display.update(task, completed=done, total=total, rate=rate, eta="ETA" if total else "")
+
+            return update
+
+        yield bar

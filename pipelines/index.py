@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +46,7 @@ import pyarrow as pa
 from engine import ModelSpec, Packer
 from engine.errors import UserError
 from pipelines.lock import hold_lock
+from pipelines.progress import Progress
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
@@ -185,11 +186,6 @@ class IndexModel:
             self.engine = self._load_engine(self.spec)
             self.load_seconds = time.perf_counter() - started
         return self.engine
-
-
-class Progress(Protocol):
-    def __call__(self, rows: int, tokens: int, total_rows: int | None) -> None:
-        """rows done (embedded or skipped) and tokens embedded so far, out of total_rows when known."""
 
 
 def open_corpus(options: IndexOptions) -> CorpusReader:

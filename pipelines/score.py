@@ -23,7 +23,7 @@ import stat
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -34,6 +34,7 @@ import torch
 from engine import Engine, EngineConfig, ModelSpec
 from engine.batch import Packer
 from engine.errors import UserError, short_reason
+from pipelines.progress import Progress
 from pipelines.qrels import CUTOFF, Metrics, Qrels, evaluate, read_qrels
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import CORES, TextTokenizer, resolve_prompt
@@ -55,6 +56,7 @@ class ScoreOptions:
     queries: str
     docs: str | None = None  # documents to embed; with --index only their texts are read, for a reranker
     index: str | None = None  # a table written by `embedctl index` whose vectors stand for the documents
+    table: str | None = None  # the table's name when index is a LanceDB database (as `embedctl index --table`)
     reranker: str | None = None  # a cross-encoder model that rescores each query's top hits
     rerank_depth: int | None = None  # hits per query the reranker rescores (default: top_k)
     qrels: str | None = None
@@ -151,28 +153,39 @@ class RunningTopK:
 
 
 class StoredVectors:
-    """The vectors of a table written by `embedctl index` (a .lance table, a Parquet file or directory)."""
+    """The vectors of a table written by `embedctl index`: a .lance table, a table of a LanceDB database
+    named by `table`, a Parquet file or directory."""
 
-    def __init__(self, path: str, text_col: str) -> None:
+    def __init__(self, path: str, text_col: str, table: str | None = None) -> None:
         self.path, self.text_col = path, text_col
         self._table = self._dataset = None
+        shown = f"table '{table}' of --index {path}" if table is not None else f"--index {path}"
+        if table is not None and (path.rstrip("/").endswith(".parquet") or path.endswith("/")):
+            raise UserError(f"--table {table} names a table of a LanceDB database, and {path} is a Parquet table; "
+                            "drop --table, or give --index the LanceDB directory or URI")
         try:
-            if path.rstrip("/").endswith(".lance"):
+            if table is not None or path.rstrip("/").endswith(".lance"):
                 import lancedb  # here, not at the top: Parquet tables work where lancedb is not installed
 
                 db, _, name = path.rstrip("/").rpartition("/")
+                if table is not None:
+                    db, name = path, table
+                    if "://" not in db and not os.path.isdir(db):  # lancedb.connect would make the folder
+                        raise UserError(f"--index {path} is not a folder; give the LanceDB database that holds "
+                                        f"table '{table}'")
                 self._table = lancedb.connect(db or ".").open_table(name.removesuffix(".lance"))
-                schema = self._table.schema
+                schema, self.rows = self._table.schema, self._table.count_rows()
             else:
                 import pyarrow.dataset
 
                 self._dataset = pyarrow.dataset.dataset(path, format="parquet")
-                schema = self._dataset.schema
+                schema, self.rows = self._dataset.schema, self._dataset.count_rows()
         except (ValueError, OSError) as error:
-            raise UserError(f"cannot open --index {path} ({short_reason(error)}); give a table written by "
-                            "`embedctl index` (x.lance, x.parquet or a directory of parts)") from None
+            raise UserError(f"cannot open {shown} ({short_reason(error)}); give a table written by "
+                            "`embedctl index` (x.lance, x.parquet, a directory of parts, or a database with --table)") \
+                from None
         if not {"id", "vector"} <= set(schema.names):
-            raise UserError(f"--index {path} has no id and vector columns; give a table written by `embedctl index`")
+            raise UserError(f"{shown} has no id and vector columns; give a table written by `embedctl index`")
         metadata = {key.decode(): value.decode() for key, value in (schema.metadata or {}).items()}
         self.settings = {key.removeprefix("embedctl."): value for key, value in metadata.items()
                          if key.startswith("embedctl.")}
@@ -238,7 +251,10 @@ def open_inputs(options: ScoreOptions) -> Inputs:
     queries = _read_queries(options)
     docs = CorpusReader(options.docs, options.text_col, options.id_col, chunk_rows=options.chunk_rows) \
         if options.docs is not None else None
-    table = StoredVectors(options.index, options.text_col) if options.index is not None else None
+    if options.table is not None and options.index is None:
+        raise UserError(f"--table {options.table} names a table of --index, and there is no --index; give --index "
+                        "the LanceDB database that holds it")
+    table = StoredVectors(options.index, options.text_col, options.table) if options.index is not None else None
     if options.reranker is not None and docs is None and not table.has_texts:
         raise UserError(f"--reranker needs the documents' texts and --index {options.index} has no "
                         f"'{options.text_col}' column; pass DOCS too, or index with --keep {options.text_col}")
@@ -247,15 +263,19 @@ def open_inputs(options: ScoreOptions) -> Inputs:
 
 
 def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Iterable[Chunk] | StoredVectors,
-         options: ScoreOptions, top_k: int | None = None) -> Ranking:
-    """The top documents (options.top_k unless top_k is given) for every query, by cosine."""
+         options: ScoreOptions, top_k: int | None = None, progress: Progress | None = None) -> Ranking:
+    """The top documents (options.top_k unless top_k is given) for every query, by cosine; progress
+    counts documents."""
     started = time.perf_counter()
     query_prompt = resolve_prompt(engine.files, "query", options.query_prompt, options.query_prompt_name)
     doc_prompt = resolve_prompt(engine.files, "document", options.doc_prompt, options.doc_prompt_name)
-    top = RunningTopK(_vectors(engine, tokenizer, queries.texts, query_prompt), top_k or options.top_k)
+    top = RunningTopK(_vectors(engine, tokenizer, queries.texts, query_prompt)[0], top_k or options.top_k)
     doc_ids: list[str] = []
     seen: set[str] = set()
-    skipped = 0
+    skipped = tokens = 0
+    total = docs.rows if isinstance(docs, StoredVectors) else docs.total_rows if isinstance(docs, CorpusReader) else None
+    if progress is not None:
+        progress(0, 0, total)
     if isinstance(docs, StoredVectors):
         docs.check_model(engine)
         for ids, vectors in docs.chunks(options.chunk_rows):
@@ -266,6 +286,8 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
                 seen.add(doc_id)
             doc_ids.extend(ids)
             top.add(_unit(torch.tensor(vectors, device=engine.device), normalized=False))
+            if progress is not None:
+                progress(len(doc_ids), 0, total)
     else:
         for chunk in docs:
             rows = []
@@ -280,7 +302,11 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
                 doc_ids.append(doc_id)
                 rows.append(row)
             if rows:
-                top.add(_vectors(engine, tokenizer, [chunk.texts[row] for row in rows], doc_prompt))
+                vectors, chunk_tokens = _vectors(engine, tokenizer, [chunk.texts[row] for row in rows], doc_prompt)
+                top.add(vectors)
+                tokens += chunk_tokens
+            if progress is not None:
+                progress(len(doc_ids) + skipped, tokens, total)
     if not doc_ids:
         source = options.docs if options.index is None else options.index
         raise UserError(f"{source} holds no documents with text; give a corpus with at least one non-empty text")
@@ -291,8 +317,9 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
 
 
 def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking: Ranking, texts: dict[str, str],
-           top_k: int) -> Ranking:
-    """Rescore every query's hits with a cross-encoder, best first (ties keep the first ranking's order)."""
+           top_k: int, progress: Progress | None = None) -> Ranking:
+    """Rescore every query's hits with a cross-encoder, best first (ties keep the first ranking's order);
+    progress counts queries."""
     started = time.perf_counter()
     doc_ids: list[list[str]] = []
     scores: list[np.ndarray] = []
@@ -311,6 +338,8 @@ def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking
             order = np.argsort(-mine, kind="stable")[:top_k]
             doc_ids.append([hits[i] for i in order])
             scores.append(mine[order])
+        if progress is not None:
+            progress(block.stop, 0, len(queries.ids))
     return replace(ranking, doc_ids=doc_ids, scores=np.stack(scores),
                    seconds=ranking.seconds + time.perf_counter() - started, reranked=pairs)
 
@@ -371,8 +400,10 @@ def document_texts(inputs: Inputs, wanted: set[str]) -> dict[str, str]:
 
 
 def run_score(engine: Engine, tokenizer: TextTokenizer, inputs: Inputs, options: ScoreOptions,
-              reranker: tuple[Engine, TextTokenizer] | None = None) -> tuple[Ranking, Metrics | None]:
-    """The whole command after loading: rank, rerank when asked, evaluate against qrels when given."""
+              reranker: tuple[Engine, TextTokenizer] | None = None,
+              bars: Callable[[str, str], Progress] | None = None) -> tuple[Ranking, Metrics | None]:
+    """The whole command after loading: rank, rerank when asked, evaluate against qrels when given.
+    bars(label, unit), when given, makes the progress callback of each phase."""
     if engine.num_labels:
         raise UserError(f"{engine.files.name} is a cross-encoder; pass it with --reranker and a bi-encoder with --model")
     if reranker is not None and reranker[0].num_labels != 1:
@@ -384,12 +415,14 @@ def run_score(engine: Engine, tokenizer: TextTokenizer, inputs: Inputs, options:
     # nDCG@10 and MRR@10 need ten hits per query, whatever --top-k the run file keeps: with --qrels the
     # first stage goes ten deep, and what the reranker rescores and the run file hold stay as asked.
     depth = max(options.top_k, reranked, CUTOFF if inputs.qrels else 0)
-    first = rank(engine, tokenizer, inputs.queries, inputs.table or inputs.docs, options, top_k=depth)
+    first = rank(engine, tokenizer, inputs.queries, inputs.table or inputs.docs, options, top_k=depth,
+                 progress=bars("ranking", "documents") if bars else None)
     ranking, judged = first, first.doc_ids
     if reranker is not None:
         shortlist = first.top(reranked)
         wanted = {doc_id for hits in shortlist.doc_ids for doc_id in hits}
-        ranking = rerank(*reranker, inputs.queries, shortlist, document_texts(inputs, wanted), reranked)
+        ranking = rerank(*reranker, inputs.queries, shortlist, document_texts(inputs, wanted), reranked,
+                         progress=bars("reranking", "queries") if bars else None)
         # The metrics read the reranked hits, then the first stage's next ones in its order.
         judged = [hits + deeper[reranked:] for hits, deeper in zip(ranking.doc_ids, first.doc_ids)]
     metrics = evaluate(ranking.query_ids, judged, inputs.qrels, options.top_k, ranking.corpus_ids) \
@@ -449,10 +482,11 @@ def _trec_lines(ranking: Ranking) -> Iterator[str]:
         yield f"{query_id} Q0 {doc_id} {rank_} {score:.6f} {TREC_RUN_TAG}\n"
 
 
-def _vectors(engine: Engine, tokenizer: TextTokenizer, texts: list[str], prompt: str) -> torch.Tensor:
-    """L2-normalised vectors on the engine's device, so that dot products are cosines."""
-    vectors = torch.from_numpy(engine.embed(tokenizer.encode([prompt + text for text in texts]).ids))
-    return _unit(vectors.to(engine.device), engine.normalize)
+def _vectors(engine: Engine, tokenizer: TextTokenizer, texts: list[str], prompt: str) -> tuple[torch.Tensor, int]:
+    """L2-normalised vectors on the engine's device, so that dot products are cosines, and their tokens."""
+    ids = tokenizer.encode([prompt + text for text in texts]).ids
+    vectors = torch.from_numpy(engine.embed(ids))
+    return _unit(vectors.to(engine.device), engine.normalize), sum(len(row) for row in ids)
 
 
 def _unit(vectors: torch.Tensor, normalized: bool) -> torch.Tensor:

@@ -353,14 +353,37 @@ def sample_table(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path) -> 
     return out
 
 
-def test_index_table_ranks_like_the_documents(sample_table: Path, sample_ranking: tuple[Queries, Ranking], model: Embedder) -> None:
+@pytest.mark.parametrize("named", [False, True], ids=["x.lance", "database and --table"])
+def test_index_table_ranks_like_the_documents(sample_table: Path, sample_ranking: tuple[Queries, Ranking], model: Embedder,
+                                              named: bool) -> None:
     queries, ranking = sample_ranking
-    options = ScoreOptions(queries=str(QUERIES), index=str(sample_table), top_k=3, chunk_rows=64)
+    where = {"index": str(sample_table.parent), "table": "vectors"} if named else {"index": str(sample_table)}
+    options = ScoreOptions(queries=str(QUERIES), top_k=3, chunk_rows=64, **where)
     inputs = open_inputs(options)
-    from_table = rank(model.engine, model.tokenizer, inputs.queries, inputs.table, options)
+    calls = []
+    from_table = rank(model.engine, model.tokenizer, inputs.queries, inputs.table, options,
+                      progress=lambda *args: calls.append(args))
     assert from_table.doc_ids == ranking.doc_ids and from_table.documents == 300
     np.testing.assert_allclose(from_table.scores, ranking.scores, atol=1e-5)
     assert inputs.table.texts({"doc-00279"}) == {"doc-00279": next(r["text"] for r in _sample_docs() if r["id"] == "doc-00279")}
+    done = [done for done, _, _ in calls]
+    assert calls[0] == (0, 0, 300) and calls[-1] == (300, 0, 300) and done == sorted(done) and len(calls) > 2
+
+
+def test_progress_counts_documents_and_their_tokens_then_reranked_queries(model: Embedder, cross_encoder: Path) -> None:
+    docs = [Chunk("docs.jsonl", ["a", "empty", "b"], ["first document", " ", "the second document"], [1, 2, 3], None),
+            Chunk("docs.jsonl", ["c"], ["a third one"], [4], None)]
+    options = ScoreOptions(queries="q.jsonl", docs="docs.jsonl", top_k=2)
+    queries = Queries(["q1", "q2", "q3"], ["a question", "another question", "a third question"])
+    ranked = []
+    ranking = rank(model.engine, model.tokenizer, queries, docs, options, progress=lambda *args: ranked.append(args))
+    tokens = sum(len(ids) for ids in model.tokenizer.encode(["first document", "the second document", "a third one"]).ids)
+    assert ranked == [(0, 0, None), (3, ranked[1][1], None), (4, tokens, None)] and 0 < ranked[1][1] < tokens
+    reranker = embedctl.load(str(cross_encoder), device="cpu")
+    reranked = []
+    texts = {"a": "first document", "b": "the second document", "c": "a third one"}
+    rerank(reranker.engine, reranker.tokenizer, queries, ranking, texts, top_k=2, progress=lambda *args: reranked.append(args))
+    assert reranked == [(3, 0, 3)]
 
 
 def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_dir: Path) -> None:
@@ -500,6 +523,27 @@ def _rerank_depth_below_top_k(tmp: Path) -> tuple[list, list[str]]:
     return ["queries.jsonl", "docs.jsonl", "--reranker", "x", "--rerank-depth", "5"], ["--rerank-depth 5 is below --top-k 10"]
 
 
+def _table_without_index(tmp: Path) -> tuple[list, list[str]]:
+    _good_queries(tmp)
+    return ["queries.jsonl", CORPUS, "--table", "vectors"], ["--table vectors", "there is no --index"]
+
+
+def _table_of_a_parquet_index(tmp: Path) -> tuple[list, list[str]]:
+    _good_queries(tmp)
+    return ["queries.jsonl", "--index", "vectors.parquet", "--table", "vectors"], ["is a Parquet table", "drop --table"]
+
+
+def _table_not_in_the_database(tmp: Path) -> tuple[list, list[str]]:
+    _good_queries(tmp)
+    (tmp / "db").mkdir()
+    return ["queries.jsonl", "--index", "db", "--table", "nope"], ["cannot open table 'nope' of --index db", "not found"]
+
+
+def _table_of_a_missing_database(tmp: Path) -> tuple[list, list[str]]:
+    _good_queries(tmp)
+    return ["queries.jsonl", "--index", "typo", "--table", "vectors"], ["--index typo is not a folder", "table 'vectors'"]
+
+
 def _qrels_with_relevance(tmp: Path, relevance: str) -> list:
     _good_queries(tmp)
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
@@ -519,7 +563,8 @@ def _qrels_relevance_infinite(tmp: Path) -> tuple[list, list[str]]:
 
 BAD_INPUTS = [_duplicate_query_ids, _duplicate_doc_ids, _no_queries, _no_documents, _top_k_zero, _existing_out,
               _whitespace_id_in_trec, _no_docs_and_no_index, _qrels_for_unknown_queries, _reranker_is_not_a_cross_encoder,
-              _rerank_depth_below_top_k, _qrels_relevance_a_fraction, _qrels_relevance_infinite]
+              _rerank_depth_below_top_k, _qrels_relevance_a_fraction, _qrels_relevance_infinite, _table_without_index,
+              _table_of_a_parquet_index, _table_not_in_the_database, _table_of_a_missing_database]
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,10 @@
 """Streaming corpus reader: Parquet and JSONL shards in, chunks of (id, text) rows out.
 
-A CorpusReader resolves a file, directory or glob (local or any fsspec URL) to .parquet, .jsonl and
-.jsonl.gz files, checks every Parquet schema up front, then yields Chunks of at most chunk_rows rows,
-one at a time, never a whole file. Every problem with the user's files becomes a one-line UserError
-that names the file (and the line for JSONL).
+A CorpusReader resolves a file, directory or glob (local or any fsspec URL) to .parquet, .jsonl,
+.ndjson, .jsonl.gz and .ndjson.gz files (suffixes in any case), checks every Parquet schema and that
+every JSONL file has the --keep keys up front, then yields Chunks of at most chunk_rows rows, one at a
+time, never a whole file. Every problem with the user's files becomes a one-line UserError that names
+the file (and the line for JSONL).
 
 It is not a tokenizer (texts come out as they are, None for null) and it does not deduplicate ids.
 """
@@ -17,6 +18,7 @@ import re
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import IO
 
 import fsspec
@@ -26,7 +28,9 @@ import pyarrow.parquet as pq
 
 from engine.errors import UserError, short_reason
 
-_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz")
+_PARQUET = ".parquet"
+_SUFFIXES = (_PARQUET, ".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")  # compared in lower case
+_SUFFIX_LIST = ", ".join(_SUFFIXES[:-1]) + " or " + _SUFFIXES[-1]
 _GLOB = re.compile(r"[*?\[]")
 _JSONL_ID_FIX = "give every line an id, or pass --id-col naming a key the file lacks to number lines instead"
 
@@ -41,7 +45,7 @@ class Chunk:
 
     def where(self, row: int) -> str:
         """Where a row came from, for an error message: the file and its line (JSONL) or row (Parquet)."""
-        unit = "row" if self.source.endswith(".parquet") else "line"
+        unit = "row" if _is_parquet(self.source) else "line"
         return f"{self.source} {unit} {self.lines[row]}"
 
 
@@ -73,18 +77,22 @@ class CorpusReader:
         self.files: list[str] = [f.shown for f in self._files]
         # Every chunk's kept table gets one schema so the writer can fix its schema from the first.
         self._kept_schema: pa.Schema | None = None
-        parquet = [f for f in self._files if f.path.endswith(".parquet")]
+        parquet = [f for f in self._files if _is_parquet(f.path)]
         for f in parquet:
             kept = self._check_parquet(f)
             if self.keep:
                 self._kept_schema = _unify(f, self._kept_schema, kept)
+        if self.keep:
+            for f in self._files:
+                if not _is_parquet(f.path):
+                    self._check_jsonl_keep(f)
         self.total_rows: int | None = None
         if len(parquet) == len(self._files):
             self.total_rows = sum(f.rows for f in parquet)
 
     def __iter__(self) -> Iterator[Chunk]:
         for f in self._files:
-            if f.path.endswith(".parquet"):
+            if _is_parquet(f.path):
                 yield from self._read_parquet(f)
             else:
                 yield from self._read_jsonl(f)
@@ -163,7 +171,7 @@ class CorpusReader:
                     "or pass --id-col naming a column the file lacks to number rows instead"
                 )
             try:
-                ids = id_array.cast(pa.string()).to_pylist()
+                ids = _parquet_ids(id_array)
             except pa.ArrowInvalid as error:
                 raise UserError(f"{f.shown}: {self.id_col} does not read as text ({short_reason(error)}); "
                                 "store ids as UTF-8 strings or numbers") from None
@@ -187,22 +195,41 @@ class CorpusReader:
         lines: list[int] = []
         kept_rows: list[dict] = []
         first: tuple[int, bool] | None = None  # the first line's number and whether it has an id
-        with self._open_jsonl(f) as handle:
-            for number, raw in _numbered_lines(f, handle):
-                if not raw.strip():
-                    continue
-                row = self._parse_line(f, number, raw)
-                first = first or (number, self.id_col in row)
-                ids.append(self._line_id(f, number, row, first))
-                texts.append(row[self.text_col])
-                lines.append(number)
-                if self.keep:
-                    kept_rows.append(row)
-                if len(lines) == self.chunk_rows:
-                    yield Chunk(f.shown, ids, texts, lines, self._jsonl_kept(f, kept_rows, lines))
-                    ids, texts, lines, kept_rows = [], [], [], []
+        for number, row in self._jsonl_rows(f):
+            first = first or (number, self.id_col in row)
+            ids.append(self._line_id(f, number, row, first))
+            texts.append(row[self.text_col])
+            lines.append(number)
+            if self.keep:
+                kept_rows.append(row)
+            if len(lines) == self.chunk_rows:
+                yield Chunk(f.shown, ids, texts, lines, self._jsonl_kept(f, kept_rows, lines))
+                ids, texts, lines, kept_rows = [], [], [], []
         if lines:
             yield Chunk(f.shown, ids, texts, lines, self._jsonl_kept(f, kept_rows, lines))
+
+    def _check_jsonl_keep(self, f: _File) -> None:
+        """Refuse a --keep key that no line of the file has, as Parquet refuses a missing column: read on,
+        it would become a column of nulls. Reading stops once every key has been seen, mostly on line 1."""
+        missing = self.keep
+        keys: dict[str, None] = {}  # every key seen, in order
+        for _, row in self._jsonl_rows(f):
+            missing = [name for name in missing if name not in row]
+            if not missing:
+                return
+            keys.update(dict.fromkeys(row))
+        if keys:  # a file without rows gives no column at all
+            raise UserError(
+                f"{f.shown}: no line has the --keep key '{missing[0]}' (its keys: {', '.join(keys)}); "
+                "check its spelling or drop it from --keep"
+            )
+
+    def _jsonl_rows(self, f: _File) -> Iterator[tuple[int, dict]]:
+        """Each non-blank line's number and its object, checked by _parse_line."""
+        with self._open_jsonl(f) as handle:
+            for number, raw in _numbered_lines(f, handle):
+                if raw.strip():
+                    yield number, self._parse_line(f, number, raw)
 
     def _open_jsonl(self, f: _File) -> IO[bytes]:
         try:
@@ -250,12 +277,10 @@ class CorpusReader:
         value = row[self.id_col]
         if value == "":
             raise UserError(f"{f.shown} line {number}: {self.id_col} is empty; {_JSONL_ID_FIX}")
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)):
-            return json.dumps(value)
-        raise UserError(f"{f.shown} line {number}: {self.id_col} is {_kind(value)}, not a string or number; "
-                        f"{_JSONL_ID_FIX}")
+        if not isinstance(value, (str, int, float)):  # a boolean passes, as an int
+            raise UserError(f"{f.shown} line {number}: {self.id_col} is {_kind(value)}, not a string or number; "
+                            f"{_JSONL_ID_FIX}")
+        return _id_text(value)
 
     def _jsonl_kept(self, f: _File, rows: list[dict], lines: list[int]) -> pa.Table | None:
         """The kept keys as a table whose schema the first chunk fixes for all later ones.
@@ -301,11 +326,11 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
             base = path if path.endswith("/") else path + "/"
             found = _walk(fs, root)
         elif fs.isfile(root):
-            if not root.endswith(_SUFFIXES):
-                raise UserError(f"{path} is not a .parquet, .jsonl or .jsonl.gz file; rename it or convert it")
+            if not _is_corpus_file(root):
+                raise UserError(f"{path} is not a {_SUFFIX_LIST} file; rename it or convert it")
             return fs, [_File(root, path, posixpath.basename(root))]
         else:
-            raise UserError(f"{path} does not exist; give a file, a directory or a glob of .parquet/.jsonl files")
+            raise UserError(f"{path} does not exist; give a file, a directory or a glob of {_SUFFIX_LIST} files")
     except OSError as e:
         raise UserError(f"cannot list {path} ({short_reason(e)}); check the path and its permissions") from None
     base_root = fsspec.core.url_to_fs(base or ".")[1].rstrip("/") + "/"
@@ -313,11 +338,52 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
     for p in sorted(set(found)):
         rel = p[len(base_root):] if p.startswith(base_root) else posixpath.basename(p)
         # Hidden and underscore paths hold temporary or side files (a writer's unfinished parts).
-        if p.endswith(_SUFFIXES) and not any(part.startswith((".", "_")) for part in rel.split("/")):
+        if _is_corpus_file(p) and not any(part.startswith((".", "_")) for part in rel.split("/")):
             files.append(_File(p, base + rel, rel))
     if not files:
-        raise UserError(f"{path} holds no .parquet, .jsonl or .jsonl.gz files; check the path")
+        raise UserError(f"{path} holds no {_SUFFIX_LIST} files; check the path")
     return fs, files
+
+
+def _parquet_ids(ids: pa.Array) -> list[str]:
+    """An id column as text: numbers by _id_text, as in JSONL; strings, binary and dates by Arrow's cast."""
+    kind = ids.type
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind)
+            or pa.types.is_boolean(kind)):
+        return ids.cast(pa.string()).to_pylist()
+    if pa.types.is_float32(kind):
+        # As a double, float32 0.1 is 0.10000000149011612; its own shortest text, 0.1, is what an export writes.
+        ids = ids.cast(pa.string()).cast(pa.float64())
+    return [_id_text(value) for value in ids.to_pylist()]
+
+
+def _id_text(value: str | int | float | Decimal) -> str:
+    """An id as text. A number gets the same text from a JSONL line as from a Parquet column, so that
+    re-indexing a corpus exported in the other format matches the same rows (incremental indexing keys on id).
+
+    A whole number is written as an integer whatever its type: 7, 7.0 and Decimal("7.00") give "7", 1e20
+    gives "100000000000000000000". Exporters turn integer ids into floats freely (pandas does for an int
+    column with a null; JavaScript has no integers), and Arrow already wrote whole Parquet floats so (below 1e16).
+    Other numbers take Python's shortest text that reads back as the same double ("0.5", "1e-07", "nan"),
+    a decimal first becoming the double a JSON reader would make of it; booleans are "true" and "false".
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, Decimal):
+        value = int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
+def _is_corpus_file(path: str) -> bool:
+    return path.lower().endswith(_SUFFIXES)
+
+
+def _is_parquet(path: str) -> bool:
+    return path.lower().endswith(_PARQUET)
 
 
 def _unify(f: _File, known: pa.Schema | None, kept: pa.Schema) -> pa.Schema:

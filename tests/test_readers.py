@@ -3,6 +3,7 @@
 import codecs
 import gzip
 import json
+from decimal import Decimal
 
 import fsspec
 import pyarrow as pa
@@ -110,6 +111,33 @@ def test_jsonl_gz(tmp_path):
     assert texts == [r["text"] for r in rows]
 
 
+def test_ndjson_is_read_like_jsonl(tmp_path):
+    write_jsonl(tmp_path / "c" / "a.ndjson", [{"id": "a1", "text": "plain"}])
+    write_jsonl(tmp_path / "c" / "b.ndjson.gz", [{"text": "gzipped"}], gz=True)
+    reader = CorpusReader(f"{tmp_path}/c")
+    assert reader.files == [f"{tmp_path}/c/a.ndjson", f"{tmp_path}/c/b.ndjson.gz"]
+    chunks, ids, texts = read_all(reader)
+    assert (ids, texts) == (["a1", "b.ndjson.gz:1"], ["plain", "gzipped"])
+    assert chunks[1].where(0) == f"{tmp_path}/c/b.ndjson.gz line 1"
+    single = CorpusReader(str(tmp_path / "c" / "b.ndjson.gz"))
+    assert read_all(single)[1:] == (["b.ndjson.gz:1"], ["gzipped"])
+
+
+def test_suffixes_match_in_any_case_and_paths_keep_theirs(tmp_path):
+    write_jsonl(tmp_path / "c" / "DATA.JSONL", [{"text": "upper"}])
+    write_jsonl(tmp_path / "c" / "More.NDJSON.GZ", [{"text": "upper gz"}], gz=True)
+    write_parquet(tmp_path / "c" / "part-0.Parquet", {"text": ["mixed"]})
+    reader = CorpusReader(f"{tmp_path}/c")
+    assert reader.files == [f"{tmp_path}/c/DATA.JSONL", f"{tmp_path}/c/More.NDJSON.GZ", f"{tmp_path}/c/part-0.Parquet"]
+    assert reader.total_rows is None
+    chunks, ids, texts = read_all(reader)
+    assert texts == ["upper", "upper gz", "mixed"]
+    assert ids == ["DATA.JSONL:1", "More.NDJSON.GZ:1", "part-0.Parquet:1"]
+    assert chunks[2].where(0) == f"{tmp_path}/c/part-0.Parquet row 1"
+    single = CorpusReader(str(tmp_path / "c" / "part-0.Parquet"))
+    assert single.total_rows == 1 and read_all(single)[2] == ["mixed"]
+
+
 # Chunks
 
 
@@ -158,6 +186,29 @@ def test_ids_are_stringified_from_the_id_column(tmp_path):
     assert read_all(CorpusReader(str(tmp_path / "c.parquet"), text_col="body", id_col="doc"))[1] == ["x1"]
 
 
+@pytest.mark.parametrize(
+    "column, json_ids, expected",
+    [
+        (pa.array([7, 2**63 - 1]), ["7.0", "9223372036854775807"], ["7", "9223372036854775807"]),
+        (pa.array([2**64 - 1], pa.uint64()), ["18446744073709551615"], ["18446744073709551615"]),
+        (pa.array([1.0, 7.0, -0.0, 1e20, 1.5, 0.1, 1e-7]), ["1", "7.00", "-0.0", "1e20", "1.5", "0.1", "1e-7"],
+         ["1", "7", "0", "100000000000000000000", "1.5", "0.1", "1e-07"]),
+        (pa.array([0.1, 7.0], pa.float32()), ["0.1", "7"], ["0.1", "7"]),
+        (pa.array([Decimal("7.00"), Decimal("1.50")], pa.decimal128(10, 2)), ["7.00", "1.50"], ["7", "1.5"]),
+        (pa.array([Decimal(2**70)], pa.decimal128(38, 0)), [str(2**70)], [str(2**70)]),
+        (pa.array([True, False]), ["true", "false"], ["true", "false"]),
+        (pa.array([float("nan"), float("-inf")]), ["NaN", "-Infinity"], ["nan", "-inf"]),
+        (pa.array(["7.0", "0x1"]), ['"7.0"', '"0x1"'], ["7.0", "0x1"]),
+    ],
+)
+def test_numeric_ids_read_the_same_from_parquet_and_jsonl(tmp_path, column, json_ids, expected):
+    texts = [f"t{i}" for i in range(len(column))]
+    write_parquet(tmp_path / "a.parquet", {"id": column, "text": texts})
+    write_jsonl(tmp_path / "a.jsonl", [f'{{"id": {i}, "text": "{t}"}}' for i, t in zip(json_ids, texts)])
+    assert read_all(CorpusReader(str(tmp_path / "a.parquet")))[1] == expected
+    assert read_all(CorpusReader(str(tmp_path / "a.jsonl")))[1] == expected
+
+
 def test_ids_are_stable_across_reads(tmp_path):
     write_parquet(tmp_path / "a.parquet", {"text": [f"t{i}" for i in range(20)]})
     assert read_all(CorpusReader(str(tmp_path), chunk_rows=3))[1] == read_all(CorpusReader(str(tmp_path)))[1]
@@ -198,6 +249,12 @@ def test_jsonl_kept_keys_missing_are_null_and_types_hold_across_chunks(tmp_path)
     }
 
 
+def test_jsonl_kept_key_seen_only_on_the_last_line_is_kept(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "a"}, "", {"text": "b", "lang": "en"}])
+    chunks = list(CorpusReader(str(tmp_path / "a.jsonl"), keep=["lang"], chunk_rows=1))
+    assert pa.concat_tables(c.kept for c in chunks).to_pydict() == {"lang": [None, "en"]}
+
+
 def test_parquet_kept_types_are_unified_across_files(tmp_path):
     write_parquet(tmp_path / "a.parquet", {"text": ["a"], "n": pa.array([1], pa.int32())})
     write_parquet(tmp_path / "b.parquet", {"text": ["b"], "n": pa.array([2], pa.int64())})
@@ -222,13 +279,14 @@ def test_missing_path(tmp_path):
 
 def test_directory_without_corpus_files(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
-    assert "holds no .parquet, .jsonl or .jsonl.gz files" in error(path=str(tmp_path))
+    assert "holds no .parquet, .jsonl, .ndjson, .jsonl.gz or .ndjson.gz files" in error(path=str(tmp_path))
     assert "holds no" in error(path=f"{tmp_path}/*.parquet")
 
 
 def test_unsupported_single_file(tmp_path):
     (tmp_path / "a.csv").write_text("text\nx\n")
-    assert "a.csv is not a .parquet, .jsonl or .jsonl.gz file" in error(path=str(tmp_path / "a.csv"))
+    message = error(path=str(tmp_path / "a.csv"))
+    assert "a.csv is not a .parquet, .jsonl, .ndjson, .jsonl.gz or .ndjson.gz file" in message
 
 
 def test_unreadable_parquet_at_construction(tmp_path):
@@ -291,6 +349,22 @@ def test_parquet_missing_keep_column(tmp_path):
     write_parquet(tmp_path / "a.parquet", {"text": ["x"]})
     message = error(path=str(tmp_path), keep=["lang"])
     assert f"{tmp_path}/a.parquet has no column 'lang' for --keep" in message
+
+
+def test_jsonl_kept_key_in_no_line_is_refused_up_front(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "x", "lang": "en"}])
+    write_jsonl(tmp_path / "b.jsonl", [{"id": "1", "text": "y"}, "", {"id": "2", "text": "z", "year": 2}])
+    with pytest.raises(UserError) as info:
+        CorpusReader(str(tmp_path), keep=["lang"])  # construction, before a row is handed on
+    assert str(info.value) == (
+        f"{tmp_path}/b.jsonl: no line has the --keep key 'lang' (its keys: id, text, year); "
+        "check its spelling or drop it from --keep"
+    )
+
+
+def test_jsonl_without_rows_needs_no_kept_key(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", ["", "  "])
+    assert list(CorpusReader(str(tmp_path / "a.jsonl"), keep=["lang"])) == []
 
 
 def test_parquet_keep_columns_that_disagree_across_files(tmp_path):

@@ -3,14 +3,21 @@
     POST /v1/embeddings  OpenAI-compatible (texts or token ids; float or base64; dimensions; usage)
     POST /embed          text-embeddings-inference-compatible (inputs, normalize, truncate, prompt_name, dimensions)
     POST /rerank         query + texts (TEI reply) or documents (Cohere-style reply), sorted by score
+    POST /               the model's own task, as TEI routes it: /rerank for a cross-encoder, else /embed
+    POST /tokenize /decode   TEI's: the tokens of texts, the texts of token ids
+    GET  /info           TEI's description of the model and the server's limits
     GET  /health /metrics /v1/models /v1/models/{id} /docs
 
 The app uvicorn runs is _Front, a plain ASGI callable: it checks the API key and the body size,
-records the metrics, and serves the three POST endpoints itself, from the raw body (validated by
-the pydantic models in one pass over the JSON) to reply bytes (orjson, numpy arrays included).
+records the metrics, and serves the POST endpoints itself, from the raw body (validated by the
+pydantic models in one pass over the JSON) to reply bytes (orjson, numpy arrays included).
 Everything else, lifespan and /docs included, goes to a FastAPI app, which also describes the POST
 endpoints in the OpenAPI schema. FastAPI's routing, dependency and serialisation layers cost
 several times what the request itself costs on the CPU, and the server runs on one event loop.
+
+Errors come in the shape of the API a route belongs to, which is what that API's clients parse:
+TEI's {"error", "error_type"} on TEI's routes (TEI_PATHS), OpenAI's {"error": {"message", "type",
+"param", "code"}} everywhere else (_error_reply).
 
 A request is tokenized on the event loop when it is short and the engine idle, in the worker
 processes of a TokenizerPool when it holds many texts (beside a GPU, where the pool has workers:
@@ -32,18 +39,21 @@ from __future__ import annotations
 import asyncio
 import base64
 import bisect
+import copy
+import functools
+import importlib.metadata
 import logging
 import os
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, TypeVar, Union
 
 import numpy as np
 import orjson
@@ -53,6 +63,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from tokenizers import Encoding
 
 from engine import Engine, EngineConfig, UserError
 from engine.batch import PackedBatch
@@ -62,6 +73,9 @@ from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
 
 log = logging.getLogger("embedctl.serve")
+T = TypeVar("T")
+
+VERSION = importlib.metadata.version("embedctl")
 
 API_KEY_ENV = "EMBEDCTL_API_KEY"
 DRAIN_SECONDS = 30  # how long Ctrl-C / SIGTERM waits for requests in flight before cutting them off
@@ -76,12 +90,35 @@ TOKENIZER_THREADS = min(8, os.cpu_count() or 1)
 # few texts cost less than the trip through the pipe.
 WORKER_TEXTS = 16
 OPEN_PATHS = ("/health",)
-OPENAI_PATHS = ("/v1/embeddings",)  # invalid requests get OpenAI's 400 here; TEI's 422 on /embed and /rerank
-ENDPOINTS = ("/v1/embeddings", "/embed", "/rerank", "/health", "/metrics", "/v1/models", "/docs", "/openapi.json")
+# Routes of TEI's API, which answer errors in its shape and with its statuses; the others answer in OpenAI's.
+TEI_PATHS = frozenset({"/", "/embed", "/rerank", "/tokenize", "/decode", "/info"})
+ENDPOINTS = ("/v1/embeddings", "/embed", "/rerank", "/", "/tokenize", "/decode", "/info", "/health", "/metrics",
+             "/v1/models", "/docs", "/openapi.json")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = tuple(float(1 << n) for n in range(4, 17))  # 16 ... 65,536 tokens per engine batch
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
-               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+OPENAI_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+                      429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+# OpenAI's API has neither 422 nor 424: it answers any invalid request with 400 and its own failure with 500.
+OPENAI_STATUS = {422: 400, 424: 500}
+TeiErrorType = Literal["Validation", "Empty", "Overloaded", "Backend", "Unhealthy"]
+# TEI's error_type for a status that has one of its own (TEI never answers 500; its failures are 424s); any
+# other refusal is a "Validation", TEI's name for a request it will not serve as sent.
+TEI_ERROR_TYPES: dict[int, TeiErrorType] = {424: "Backend", 429: "Overloaded", 500: "Backend", 503: "Unhealthy"}
+TEI_POOLING = {"last": "last_token"}  # TEI's names for pooling modes, where they differ from embedctl's
+# What each refusal means, as /openapi.json describes it.
+REFUSALS = {
+    400: "Malformed JSON, an empty or blank input, or an unknown model; on /v1/embeddings, any invalid request",
+    401: "A missing or wrong API key (with --api-key)",
+    404: "No such model",
+    413: "More inputs than --max-client-batch, or a body larger than --max-request-bytes",
+    415: "A body declared as anything but JSON",
+    422: "An invalid request: a wrong type, an unknown field, a token id outside the vocabulary, an input longer "
+         "than the max length with truncate: false",
+    424: "The engine failed on the request",
+    429: "The queue is full (--max-queue); retry after Retry-After",
+    500: "The server failed on the request (on /v1/embeddings, the engine too)",
+    503: "The server is shutting down; retry after Retry-After",
+}
 CLIENT_GONE = 499  # the metrics' status for a request whose client disconnected before sending its body
 JSON_HEADER = (b"content-type", b"application/json")
 BODY_PROBLEMS = ("missing", "model_type", "model_attributes_type", "dict_type")  # the body is no JSON object
@@ -118,7 +155,16 @@ class ServeOptions:
 
 
 class ApiError(HTTPException):
-    """A request the server refuses; detail is the whole message, naming the problem and the fix."""
+    """A request the server refuses; detail is the whole message, naming the problem and the fix.
+
+    error_type is TEI's kind of error, which TEI's routes answer beside the message (by default the
+    one TEI gives an error of this status); an empty input is TEI's "Empty", with status 400.
+    """
+
+    def __init__(self, status_code: int, detail: str, headers: dict[str, str] | None = None,
+                 error_type: TeiErrorType | None = None) -> None:
+        super().__init__(status_code, detail, headers)
+        self.error_type = error_type or TEI_ERROR_TYPES.get(status_code, "Validation")
 
 
 # Requests and replies. Fields are strict (no "yes" for true, no "5" for 5) and unknown fields are
@@ -140,21 +186,18 @@ class EmbeddingsRequest(_Strict):
     @field_validator("input", mode="before")
     @classmethod
     def _input_shape(cls, value: Any) -> Any:
-        if isinstance(value, str) or _list_of(value, str) or _list_of(value, int) or (
-                isinstance(value, list) and all(_list_of(item, int) for item in value)):
+        if isinstance(value, str) or _list_of(value, str) or _token_ids(value):
             return value
         raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
-class EmbedRequest(_Strict):
+class _Texts(_Strict):
+    """TEI's texts with a prompt in front: /embed's and /tokenize's."""
+
+    ids_go_to: ClassVar[str]  # where a client who sent token ids as inputs is sent instead
     inputs: Union[str, list[str]]
-    normalize: bool = True
-    truncate: bool | None = Field(default=None, description="null or true: cut over-long inputs; false: refuse them")
-    truncation_direction: Literal["right", "Right"] = Field(
-        default="right", description="TEI's field; only right (keep the start of the text) is supported")
     prompt_name: str | None = Field(default=None, description="A prompt of the model's sentence-transformers "
                                     "config to put before every input (default: its document prompt, as index uses)")
-    dimensions: int | None = Field(default=None, ge=1)
 
     @field_validator("inputs", mode="before")
     @classmethod
@@ -162,8 +205,34 @@ class EmbedRequest(_Strict):
         # one message instead of pydantic's per-branch ones ("inputs.str: ...; inputs.list[str].0: ...")
         if isinstance(value, str) or _list_of(value, str):
             return value
-        hint = " (token ids go to POST /v1/embeddings)" if _list_of(value, int) else ""
+        hint = f" (token ids go to {cls.ids_go_to})" if _list_of(value, int) else ""
         raise ValueError(f"must be a string or a list of strings{hint}")
+
+
+class EmbedRequest(_Texts):
+    ids_go_to = "POST /v1/embeddings"
+    normalize: bool = True
+    truncate: bool | None = Field(default=None, description="null or true: cut over-long inputs; false: refuse them")
+    truncation_direction: Literal["right", "Right"] = Field(
+        default="right", description="TEI's field; only right (keep the start of the text) is supported")
+    dimensions: int | None = Field(default=None, ge=1)
+
+
+class TokenizeRequest(_Texts):
+    ids_go_to = "POST /decode, which gives their text"
+    add_special_tokens: bool = True
+
+
+class DecodeRequest(_Strict):
+    ids: Union[list[int], list[list[int]]] = Field(description="One token-id list, or a list of them")
+    skip_special_tokens: bool = True
+
+    @field_validator("ids", mode="before")
+    @classmethod
+    def _ids_shape(cls, value: Any) -> Any:
+        if _token_ids(value):
+            return value
+        raise ValueError("must be a list of token ids or a list of token-id lists")
 
 
 class RerankRequest(_Strict):
@@ -209,9 +278,87 @@ class RankedText(BaseModel):
     text: str | None = None
 
 
+EMBED_REPLY = list[list[float]]
+RERANK_REPLY = Union[list[RankedText], dict[str, Any]]
+
+
+class Token(BaseModel):
+    id: int
+    text: str = Field(description="The token's part of the input; a special token's own text")
+    special: bool
+    start: int | None = Field(description="Offset of the token's first byte in the UTF-8 input with its prompt, "
+                                          "as TEI counts; null for a special token")
+    stop: int | None = Field(description="Offset past its last byte; null for a special token")
+
+
+class Pooling(BaseModel):
+    pooling: str
+
+
+class EmbeddingModel(BaseModel):
+    embedding: Pooling
+
+
+class Labels(BaseModel):
+    id2label: dict[str, str]
+    label2id: dict[str, int]
+
+
+class RerankerModel(BaseModel):
+    reranker: Labels
+
+
+class Info(BaseModel):
+    """TEI's GET /info."""
+
+    model_id: str
+    model_sha: str | None = Field(description="Always null: embedctl loads no particular revision")
+    model_dtype: str
+    served_model_name: str
+    model_type: Union[EmbeddingModel, RerankerModel]
+    max_concurrent_requests: int = Field(description="Sequences admitted and not yet answered (--max-queue)")
+    max_input_length: int = Field(description="Tokens per input; longer ones are cut, or refused with truncate: false")
+    max_batch_tokens: int
+    max_batch_requests: int | None = Field(description="Sequences per engine batch (--max-seqs)")
+    max_client_batch_size: int = Field(description="Inputs per request (--max-client-batch)")
+    auto_truncate: bool = Field(description="Whether an input with truncate: null is cut (as it always is here)")
+    tokenization_workers: int = Field(description="Threads and worker processes that tokenize requests")
+    version: str
+
+
+class TeiError(BaseModel):
+    """TEI's error shape, which its routes answer."""
+
+    error: str
+    error_type: TeiErrorType
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(BaseModel):
+    """OpenAI's error shape, which every route outside TEI's answers."""
+
+    error: OpenAIErrorDetail
+
+
 def _list_of(value: Any, kind: type) -> bool:
     # bool is an int subclass; true/false are never token ids
     return isinstance(value, list) and all(isinstance(item, kind) and not isinstance(item, bool) for item in value)
+
+
+def _token_ids(value: Any) -> bool:
+    """Whether value is one token-id list or a list of them."""
+    return _list_of(value, int) or (isinstance(value, list) and all(_list_of(item, int) for item in value))
+
+
+def _id_lists(ids: list[int] | list[list[int]]) -> list[list[int]]:
+    """One token-id list, or a list of them, as a list of them."""
+    return [ids] if ids and isinstance(ids[0], int) else ids
 
 
 def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = ServeLimits(),
@@ -242,22 +389,44 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
         await asyncio.get_running_loop().run_in_executor(None, service.stop)
 
     # redirect_slashes off: POST /embed/ got a bodiless 307 that clients do not follow; now a JSON 404.
-    app = FastAPI(title="embedctl", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
+    app = FastAPI(title="embedctl", version=VERSION, lifespan=lifespan, redirect_slashes=False,
                   description=f"Embeddings and ranking with {engine.files.name}.")
     app.add_exception_handler(HTTPException, _http_error)
+    inference_errors = _error_responses(TeiError, 400, 401, 413, 415, 422, 424, 429, 500, 503)
+    tokenizer_errors = _error_responses(TeiError, 400, 401, 413, 415, 422, 500)
 
-    # _Front serves these three; FastAPI only describes them in /docs and answers 405 to other methods.
-    @app.post("/v1/embeddings", response_model=EmbeddingsResponse)
+    # _Front serves the POST endpoints; FastAPI only describes them in /docs and answers 405 to other methods.
+    @app.post("/v1/embeddings", response_model=EmbeddingsResponse,
+              responses=_error_responses(OpenAIError, 400, 401, 413, 415, 429, 500, 503))
     async def embeddings(body: EmbeddingsRequest) -> None:
         """OpenAI-compatible embeddings. Over-long inputs are truncated to the model's max length."""
 
-    @app.post("/embed", response_model=list[list[float]])
+    @app.post("/embed", response_model=EMBED_REPLY, responses=inference_errors)
     async def embed(body: EmbedRequest) -> None:
         """text-embeddings-inference-compatible embeddings: one vector per input, in order."""
 
-    @app.post("/rerank", response_model=Union[list[RankedText], dict[str, Any]])
+    @app.post("/rerank", response_model=RERANK_REPLY, responses=inference_errors)
     async def rerank(body: RerankRequest) -> None:
         """Documents sorted by relevance to the query, best first (ties in input order)."""
+
+    # As TEI routes it: POST / is the model's own task, ranking for a cross-encoder, else vectors.
+    main_task = "/rerank" if engine.num_labels else "/embed"
+    stub, reply = {"/embed": (embed, EMBED_REPLY), "/rerank": (rerank, RERANK_REPLY)}[main_task]
+    app.add_api_route("/", stub, methods=["POST"], response_model=reply, responses=inference_errors,
+                      summary=f"The model's own task: POST {main_task}")
+
+    @app.post("/tokenize", response_model=list[list[Token]], responses=tokenizer_errors)
+    async def tokenize(body: TokenizeRequest) -> None:
+        """The tokens /embed embeds for each input, with its prompt in front, not truncated."""
+
+    @app.post("/decode", response_model=list[str], responses=tokenizer_errors)
+    async def decode(body: DecodeRequest) -> None:
+        """The text of each token-id list (a list of one text for one list)."""
+
+    @app.get("/info", response_model=Info, responses=_error_responses(TeiError, 401))
+    async def info() -> Info:
+        """TEI's description of the model and of this server's limits."""
+        return service.info()
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -272,7 +441,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     async def health_head() -> JSONResponse:
         return await health()
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=_error_responses(OpenAIError, 401))
     async def metrics() -> Response:
         """Prometheus text format."""
         return Response(service.metrics.render(service), media_type="text/plain; version=0.0.4")
@@ -280,11 +449,11 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     def described() -> dict:
         return {"id": service.name, "object": "model", "created": service.started, "owned_by": "embedctl"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_error_responses(OpenAIError, 401))
     async def models() -> dict:
         return {"object": "list", "data": [described()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=_error_responses(OpenAIError, 401, 404))
     async def model(model: str) -> dict:
         """The served model, by its name or its last path part (what openai's models.retrieve asks for)."""
         if model not in service.names:
@@ -292,7 +461,9 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
         return described()
 
     routes = {"/v1/embeddings": (EmbeddingsRequest, service.embeddings), "/embed": (EmbedRequest, service.embed),
-              "/rerank": (RerankRequest, service.rerank)}
+              "/rerank": (RerankRequest, service.rerank), "/tokenize": (TokenizeRequest, service.tokens),
+              "/decode": (DecodeRequest, service.decode)}
+    routes["/"] = routes[main_task]
     return _Front(app, routes, api_key, limits.max_request_bytes, service.metrics)
 
 
@@ -328,6 +499,9 @@ class _Service:
         self.name = engine.files.name
         self.names = {self.name, Path(self.name).name}
         self.vocab_size = int(engine.files.config.get("vocab_size", 0))
+        # /tokenize shows whole inputs, as TEI's does; the tokenizer of /embed stops at the max length.
+        self.untruncated = copy.deepcopy(tokenizer.tokenizer)
+        self.untruncated.no_truncation()
         # What index and score put before documents and queries, so that the vectors agree with theirs.
         self.prompts = {role: resolve_prompt(engine.files, role, None, None) for role in ("document", "query")}
         self.started = int(time.time())
@@ -381,8 +555,7 @@ class _Service:
     async def embed(self, body: EmbedRequest) -> bytes:
         self.check_vectors(body.dimensions)
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        prompt = self.prompts["document"] if body.prompt_name is None else self.named_prompt(body.prompt_name)
-        encoded = await self.encode_texts(texts, "inputs", body.truncate is not False, prompt)
+        encoded = await self.encode_texts(texts, "inputs", body.truncate is not False, self.prompt(body.prompt_name))
         return _dumps(self.finish(await self.run(encoded), body.dimensions, body.normalize))
 
     async def rerank(self, body: RerankRequest) -> bytes:
@@ -402,7 +575,47 @@ class _Service:
         return _dumps([{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if with_text else {})}
                        for i in order])
 
-    def named_prompt(self, name: str) -> str:
+    async def tokens(self, body: TokenizeRequest) -> bytes:
+        """/tokenize: the tokens /embed would embed for each input, past the max length too."""
+        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        self.check_texts(texts, "inputs")
+        prompt = self.prompt(body.prompt_name)
+
+        def token_lists(prompted: list[str]) -> list[list[dict[str, Any]]]:
+            # stripped, as TextTokenizer.encode strips what /embed embeds
+            encodings = self.untruncated.encode_batch([text.strip() for text in prompted],
+                                                      add_special_tokens=body.add_special_tokens)
+            return [_tokens(encoding, text) for encoding, text in zip(encodings, prompted)]
+
+        return _dumps(await self.tokenize(token_lists, [prompt + text for text in texts]))
+
+    async def decode(self, body: DecodeRequest) -> bytes:
+        sequences = _id_lists(body.ids)
+        self.check_token_ids(sequences, "ids")
+        return _dumps(await self.tokenize(functools.partial(self.tokenizer.tokenizer.decode_batch,
+                                                            skip_special_tokens=body.skip_special_tokens), sequences))
+
+    def info(self) -> Info:
+        """GET /info's reply (FastAPI serves it)."""
+        config, pooling = self.engine.files.config, self.engine.pooling
+        if self.engine.num_labels:
+            model_type: EmbeddingModel | RerankerModel = RerankerModel(reranker=Labels(
+                id2label=config.get("id2label", {}), label2id=config.get("label2id", {})))
+        else:
+            model_type = EmbeddingModel(embedding=Pooling(pooling=TEI_POOLING.get(pooling, pooling)))
+        return Info(model_id=self.name, model_sha=None, model_dtype=str(self.engine.dtype).removeprefix("torch."),
+                    served_model_name=self.name, model_type=model_type, max_concurrent_requests=self.limits.max_queue,
+                    max_input_length=self.engine.max_length, max_batch_tokens=self.engine.max_batch_tokens,
+                    max_batch_requests=self.engine.config.max_seqs, max_client_batch_size=self.limits.max_client_batch,
+                    # truncate: null cuts, as under TEI's --auto-truncate; the threads and the worker
+                    # processes tokenize requests side by side
+                    auto_truncate=True, tokenization_workers=TOKENIZER_THREADS + self.tokenizer_processes,
+                    version=VERSION)
+
+    def prompt(self, name: str | None) -> str:
+        """What goes before /embed's and /tokenize's inputs: the prompt of that name, else the document prompt."""
+        if name is None:
+            return self.prompts["document"]
         try:
             return resolve_prompt(self.engine.files, "document", None, name)
         except UserError as error:
@@ -414,7 +627,7 @@ class _Service:
 
     def check_vectors(self, dimensions: int | None) -> None:
         if self.engine.num_labels:
-            raise ApiError(400, f"{self.name} is a cross-encoder: it scores query-document pairs and has no vectors; "
+            raise ApiError(422, f"{self.name} is a cross-encoder: it scores query-document pairs and has no vectors; "
                                 "call POST /rerank")
         if dimensions is not None and dimensions > self.engine.dim:
             raise ApiError(422, f"dimensions {_clipped(dimensions)} is more than the model's {self.engine.dim}; "
@@ -426,14 +639,8 @@ class _Service:
             value = [value]
         if value and isinstance(value[0], str):
             return await self.encode_texts(value, "input", True, self.prompts["document"])
-        sequences = [value] if value and isinstance(value[0], int) else value
-        self.check_count(len(sequences), "input")
-        for i, ids in enumerate(sequences):
-            if not ids:
-                raise ApiError(422, f"input[{i}] is an empty token-id list; send at least one token id")
-            if min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise ApiError(422, f"input[{i}] holds a token id outside the model's vocabulary 0..{self.vocab_size - 1}; "
-                                    "send ids from this model's tokenizer")
+        sequences = _id_lists(value)
+        self.check_token_ids(sequences, "input")
         limit = self.engine.max_length
         return Encoded(ids=[np.asarray(ids[:limit], dtype=np.int32) for ids in sequences],
                        truncated=[len(ids) > limit for ids in sequences])
@@ -452,25 +659,35 @@ class _Service:
             return await asyncio.wrap_future(self.workers.submit(texts))
         return await self.tokenize(self.tokenizer.encode, texts)
 
-    async def tokenize(self, encode: Callable[..., Encoded], *texts: Sequence[str]) -> Encoded:
-        """encode(*texts) on the loop when the texts are short and the engine is idle, else in the pool.
+    async def tokenize(self, work: Callable[..., T], *inputs: Sequence[Sized]) -> T:
+        """work(*inputs) on the loop when the inputs (texts, or token-id lists) are short and the engine
+        is idle, else in the pool.
 
         The tokenizer releases the GIL while it works; a busy scheduler thread takes it, and the loop
         then waits to get it back for longer than the hop to the pool would have cost.
         """
-        if self.scheduler.stats.depth == 0 and sum(len(text) for group in texts for text in group) <= INLINE_CHARS:
-            return encode(*texts)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, encode, *texts)
+        if self.scheduler.stats.depth == 0 and sum(len(item) for group in inputs for item in group) <= INLINE_CHARS:
+            return work(*inputs)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, work, *inputs)
 
     def check_texts(self, texts: Sequence[str], field: str) -> None:
         self.check_count(len(texts), field)
         for i, text in enumerate(texts):
             if not text or text.isspace():
-                raise ApiError(422, f"{field}[{i}] is blank; send text with at least one non-space character")
+                raise _empty(f"{field}[{i}] is blank; send text with at least one non-space character")
+
+    def check_token_ids(self, sequences: list[list[int]], field: str) -> None:
+        self.check_count(len(sequences), field)
+        for i, ids in enumerate(sequences):
+            if not ids:
+                raise _empty(f"{field}[{i}] is an empty token-id list; send at least one token id")
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise ApiError(422, f"{field}[{i}] holds a token id outside the model's vocabulary "
+                                    f"0..{self.vocab_size - 1}; send ids from this model's tokenizer")
 
     def check_count(self, count: int, field: str) -> None:
         if count == 0:
-            raise ApiError(422, f"{field} is empty; send at least one item")
+            raise _empty(f"{field} is empty; send at least one item")
         if count > self.limits.max_client_batch:
             raise ApiError(413, f"{count} items in one request is more than this server's --max-client-batch "
                                 f"{self.limits.max_client_batch}; split them over several requests")
@@ -484,7 +701,7 @@ class _Service:
     async def scores(self, query: str, texts: Sequence[str], truncate: bool, field: str) -> tuple[np.ndarray, int]:
         """Relevance of each text to the query, and the tokens it took: cross-encoder scores or cosines."""
         if not query or query.isspace():
-            raise ApiError(422, "query is blank; send text with at least one non-space character")
+            raise _empty("query is blank; send text with at least one non-space character")
         self.check_texts(texts, field)
         if self.engine.num_labels:
             encoded = await self.tokenize(self.tokenizer.encode_pairs, [query] * len(texts), texts)
@@ -514,7 +731,7 @@ class _Service:
         outcome = await future
         if isinstance(outcome, BaseException):
             log.error("engine step failed", exc_info=outcome)
-            raise ApiError(500, f"the engine failed on this request ({short_reason(outcome)}); see the server log")
+            raise ApiError(424, f"the engine failed on this request ({short_reason(outcome)}); see the server log")
         return outcome
 
     def finish(self, vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
@@ -559,24 +776,64 @@ def _dumps(payload: Any) -> bytes:
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-# Errors: one JSON shape everywhere, OpenAI's {"error": {"message", "type", "param", "code"}}, which its clients read.
+def _tokens(encoding: Encoding, text: str) -> list[dict[str, Any]]:
+    """TEI's token objects for the encoding of text.strip(). A token's start and stop count UTF-8
+    bytes of the whole text, as TEI's do (its strings are Rust's); the library counts characters
+    of the stripped text."""
+    lead = len(text) - len(text.lstrip())
+    code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    utf8_lengths = 1 + (code_points >= 0x80) + (code_points >= 0x800) + (code_points >= 0x10000)
+    byte_at = np.concatenate(([0], np.cumsum(utf8_lengths)))  # character offset -> byte offset
+    tokens = []
+    for token_id, token, special, (start, stop) in zip(encoding.ids, encoding.tokens, encoding.special_tokens_mask,
+                                                       encoding.offsets):
+        if special:
+            tokens.append({"id": token_id, "text": token, "special": True, "start": None, "stop": None})
+        else:
+            start, stop = start + lead, stop + lead
+            tokens.append({"id": token_id, "text": text[start:stop], "special": False,
+                           "start": int(byte_at[start]), "stop": int(byte_at[stop])})
+    return tokens
 
-def _error_body(status: int, message: str) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                                   "param": None, "code": None}})
+
+# Errors: each route answers in the shape of its API, which that API's clients parse.
+
+def _error_reply(path: str, error: ApiError) -> tuple[int, bytes]:
+    """The status and JSON body refusing a request to path: TEI's on TEI's routes, OpenAI's elsewhere."""
+    if path in TEI_PATHS:
+        return error.status_code, orjson.dumps({"error": error.detail, "error_type": error.error_type})
+    status = OPENAI_STATUS.get(error.status_code, error.status_code)
+    return status, orjson.dumps({"error": {"message": error.detail,
+                                           "type": OPENAI_ERROR_TYPES.get(status, "invalid_request_error"),
+                                           "param": None, "code": None}})
 
 
-async def _http_error(_: Request, error: HTTPException) -> Response:
-    """Refusals in the one error shape; FastAPI's own reworded: no such endpoint, or not that method."""
-    message = error.detail
-    if isinstance(error, ApiError):
-        pass  # ours say what they mean already
-    elif error.status_code == 404:
-        message = "no such endpoint; see /docs for the ones this server has"
-    elif error.status_code == 405:
-        message = "this endpoint does not take that method; see /docs"
-    return Response(_error_body(error.status_code, message), error.status_code, error.headers,
-                    media_type="application/json")
+def _empty(message: str) -> ApiError:
+    return ApiError(400, message, error_type="Empty")
+
+
+def _error_responses(shape: type[BaseModel], *statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's refusals as its OpenAPI operation lists them: each status with what it means, in the
+    route's error shape. The "default" entry also keeps FastAPI from listing its own 422 body, which
+    this server never answers."""
+    responses: dict[int | str, dict[str, Any]] = {
+        status: {"model": shape, "description": REFUSALS[status]} for status in statuses}
+    responses["default"] = {"model": shape, "description": "Any other refusal (such as 405: not that method)"}
+    return responses
+
+
+async def _http_error(request: Request, error: HTTPException) -> Response:
+    """Refusals of the routes FastAPI serves, in their API's shape; FastAPI's own reworded: no such
+    endpoint, or not that method."""
+    if not isinstance(error, ApiError):  # ours say what they mean already
+        message = error.detail
+        if error.status_code == 404:
+            message = "no such endpoint; see /docs for the ones this server has"
+        elif error.status_code == 405:
+            message = "this endpoint does not take that method; see /docs"
+        error = ApiError(error.status_code, message, error.headers)
+    status, body = _error_reply(request.scope["path"], error)
+    return Response(body, status, error.headers, media_type="application/json")
 
 
 def _invalid(error: ValidationError) -> ApiError:
@@ -622,7 +879,7 @@ class _Front:
             refusal = self._refusal(scope)
             route = self.routes.get(path) if scope["method"] == "POST" else None
             if refusal is not None:
-                status = await _refuse(send, refusal)
+                status = await _refuse(send, path, refusal)
             elif route is not None:
                 status = await self._serve(path, *route, receive, send)
             else:
@@ -647,12 +904,10 @@ class _Front:
                 raise _invalid(error) from None
             return await _reply(send, 200, await handler(request))
         except ApiError as error:
-            if error.status_code == 422 and path in OPENAI_PATHS:  # OpenAI answers any invalid request with 400
-                error = ApiError(400, error.detail, error.headers)
-            return await _refuse(send, error)
+            return await _refuse(send, path, error)
         except Exception:  # noqa: BLE001 - one broken request gets a 500; the server goes on
             log.exception("request failed")
-            return await _refuse(send, ApiError(500, "the server failed on this request; see the server log"))
+            return await _refuse(send, path, ApiError(500, "the server failed on this request; see the server log"))
 
     async def _body(self, receive: Receive) -> bytes | None:
         """The whole request body; 413 once it grows past the limit; None if the client went away."""
@@ -718,8 +973,9 @@ async def _reply(send: Send, status: int, content: bytes, headers: dict[str, str
     return status
 
 
-async def _refuse(send: Send, error: ApiError) -> int:
-    return await _reply(send, error.status_code, _error_body(error.status_code, error.detail), error.headers)
+async def _refuse(send: Send, path: str, error: ApiError) -> int:
+    status, body = _error_reply(path, error)
+    return await _reply(send, status, body, error.headers)
 
 
 class _Histogram:

@@ -1,4 +1,5 @@
-"""`embedctl serve`: the real server on a loopback port, called with httpx and the official openai client.
+"""`embedctl serve`: the real server on a loopback port, called with httpx and the official openai and
+huggingface_hub (InferenceClient, TEI's) clients.
 
 Oracles: `embedctl index` output for the same texts (vectors and token counts); numpy for the
 Matryoshka cut, normalisation and cosine ranking; transformers' own BertForSequenceClassification
@@ -9,7 +10,9 @@ same app under uvicorn in a thread. Nothing here mocks the server, the engine or
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
 import re
 import signal
 import socket
@@ -22,12 +25,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import huggingface_hub
 import numpy as np
 import openai
 import pyarrow.parquet as pq
 import pytest
 import torch
 import uvicorn
+from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
 from embedctl.cli import app as cli
@@ -48,6 +53,7 @@ RSS_GROWTH_LIMIT = 24 << 20
 # of many sizes grows its heap for about a minute before levelling off (measured on MiniLM: 450 -> 510
 # MiB over 60 s, then flat). A fixed threshold removes that warm-up, so 30 s can tell a leak from it.
 SERVER_ENV = {**ENV, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+TEI_ROUTES = {"/", "/embed", "/rerank", "/tokenize", "/decode", "/info"}
 
 
 def free_port() -> int:
@@ -63,6 +69,17 @@ def unit(vectors: np.ndarray) -> np.ndarray:
 def metric(client: httpx.Client, name: str) -> float:
     text = client.get("/metrics").text
     return float(re.search(rf"^{name} (\S+)$", text, re.MULTILINE).group(1))
+
+
+def refusal(reply: httpx.Response) -> tuple[str, str]:
+    """(message, type) of an error reply, checked to be in the shape its route's API answers: TEI's
+    {"error", "error_type"} on TEI's routes, OpenAI's {"error": {"message", "type", "param", "code"}} elsewhere."""
+    body = reply.json()
+    if reply.request.url.path in TEI_ROUTES:
+        assert set(body) == {"error", "error_type"}, body
+        return body["error"], body["error_type"]
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]["message"], body["error"]["type"]
 
 
 def rss_bytes(pid: int) -> int:
@@ -210,6 +227,60 @@ def test_rerank_sorts_documents_by_cosine(client: httpx.Client, texts, indexed) 
     assert cohere["usage"]["total_tokens"] == indexed[1][:9].sum()
 
 
+# TEI's other routes
+
+
+def test_hugging_face_client_at_the_root_gets_embed_vectors_and_reads_errors(server: Server, texts, indexed) -> None:
+    # InferenceClient posts to the URL it is given, the root: TEI answers there with the model's own task.
+    hf = huggingface_hub.InferenceClient(model=server.url, token=KEY)
+    np.testing.assert_allclose(hf.feature_extraction(texts[3]), indexed[0][3:4], atol=1e-5)
+    with pytest.raises(huggingface_hub.errors.HfHubHTTPError) as refused:
+        hf.feature_extraction("  ")
+    # the client reads the message out of TEI's error shape (not out of OpenAI's)
+    assert refused.value.server_message == "inputs[0] is blank; send text with at least one non-space character"
+
+
+def test_info_describes_the_model_and_the_server_limits(client: httpx.Client, minilm_dir: Path) -> None:
+    assert client.get("/info").json() == {
+        "model_id": str(minilm_dir), "model_sha": None, "model_dtype": "float32", "served_model_name": str(minilm_dir),
+        "model_type": {"embedding": {"pooling": "mean"}},
+        "max_concurrent_requests": LIMITS["max_queue"], "max_input_length": 256,
+        "max_batch_tokens": LIMITS["max_batch_tokens"], "max_batch_requests": EngineConfig().max_seqs,
+        "max_client_batch_size": LIMITS["max_client_batch"], "auto_truncate": True,
+        # the server's tokenizer threads, and the one worker process the fixture asks for
+        "tokenization_workers": min(8, os.cpu_count() or 1) + 1,
+        "version": importlib.metadata.version("embedctl")}
+
+
+def test_tokenize_gives_the_tokens_embed_embeds_with_tei_byte_offsets(client: httpx.Client, texts,
+                                                                      minilm_dir: Path) -> None:
+    # Offsets count UTF-8 bytes of the text as sent, as TEI's do: "é" and "ö" take two each, the spaces one.
+    assert client.post("/tokenize", json={"inputs": "  Héllo wörld!"}).json() == [[
+        {"id": 101, "text": "[CLS]", "special": True, "start": None, "stop": None},
+        {"id": 7592, "text": "Héllo", "special": False, "start": 2, "stop": 8},
+        {"id": 2088, "text": "wörld", "special": False, "start": 9, "stop": 15},
+        {"id": 999, "text": "!", "special": False, "start": 15, "stop": 16},
+        {"id": 102, "text": "[SEP]", "special": True, "start": None, "stop": None}]]
+    library = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    library.no_truncation()
+    library.no_padding()
+    plain = client.post("/tokenize", json={"inputs": [*texts[1:6], LONG], "add_special_tokens": False}).json()
+    for text, tokens in zip([*texts[1:6], LONG], plain):
+        assert [token["id"] for token in tokens] == library.encode(text.strip(), add_special_tokens=False).ids
+        assert all(text.encode()[token["start"]:token["stop"]].decode() == token["text"] for token in tokens)
+    assert len(plain[-1]) == 400  # not cut at the max length, as TEI's /tokenize does not cut
+    # /embed embeds the first of them: the max length of 256 holds [CLS], 254 words and [SEP]
+    whole = [token["id"] for token in client.post("/tokenize", json={"inputs": LONG}).json()[0]]
+    assert TextTokenizer(minilm_dir / "tokenizer.json", 256).encode([LONG]).ids[0].tolist() == whole[:255] + [102]
+
+
+def test_decode_gives_the_text_of_token_ids(client: httpx.Client) -> None:
+    ids = [101, 7592, 2088, 999, 102]
+    assert client.post("/decode", json={"ids": ids}).json() == ["hello world!"]  # a list for one list, as TEI's
+    assert client.post("/decode", json={"ids": [ids, [2088]], "skip_special_tokens": False}).json() == [
+        "[CLS] hello world! [SEP]", "world"]
+
+
 def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, minilm_dir: Path) -> None:
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # no key needed
     assert httpx.head(server.url + "/health").status_code == 200
@@ -219,48 +290,95 @@ def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, mi
                    "embedctl_batch_tokens_sum", "embedctl_graph_captures_total", "embedctl_graph_replays_total"):
         assert family in text
     assert re.search(r'embedctl_requests_total\{endpoint="/v1/models",status="200"\} [1-9]', text)
-    paths = client.get("/openapi.json").json()["paths"]
-    assert {"/v1/embeddings", "/embed", "/rerank", "/health", "/metrics", "/v1/models"} <= set(paths)
-    for path in ("/v1/embeddings", "/embed", "/rerank"):  # served outside FastAPI, still described by it
+    schema = client.get("/openapi.json").json()
+    paths = schema["paths"]
+    assert {"/v1/embeddings", "/embed", "/rerank", "/", "/tokenize", "/decode", "/info", "/health", "/metrics",
+            "/v1/models"} <= set(paths)
+    for path in ("/v1/embeddings", "/embed", "/rerank", "/", "/tokenize", "/decode"):  # served outside FastAPI
         assert "requestBody" in paths[path]["post"]
+    assert paths["/"]["post"]["requestBody"] == paths["/embed"]["post"]["requestBody"]
     assert client.get("/docs").status_code == 200
 
+    def error_shape(path: str, method: str, status: str) -> str:
+        return paths[path][method]["responses"][status]["content"]["application/json"]["schema"]["$ref"].rsplit("/")[-1]
 
-# Refusals: each answers its status and a message that names the problem, and the server goes on serving.
+    # Each route documents its refusals in the shape it answers them, and no FastAPI 422 it never answers.
+    tei_refusals = {"/embed": "400 413 415 422 424 429 503", "/rerank": "400 413 415 422 424 429 503",
+                    "/": "400 413 415 422 424 429 503", "/tokenize": "400 413 415 422", "/decode": "400 413 415 422"}
+    for path, statuses in tei_refusals.items():
+        assert {error_shape(path, "post", status) for status in statuses.split()} == {"TeiError"}
+    assert error_shape("/info", "get", "401") == "TeiError"
+    assert {error_shape("/v1/embeddings", "post", status) for status in "400 401 413 415 429 500 503".split()} == {
+        "OpenAIError"}
+    assert "422" not in paths["/v1/embeddings"]["post"]["responses"]
+    assert error_shape("/v1/models/{model}", "get", "404") == "OpenAIError"
+    schemas = schema["components"]["schemas"]
+    assert set(schemas["TeiError"]["properties"]) == {"error", "error_type"}
+    assert set(schemas["OpenAIErrorDetail"]["properties"]) == {"message", "type", "param", "code"}
+
+
+# Refusals: each answers its status and a message that names the problem, in the error shape of its
+# route's API with that API's type for it, and the server goes on serving.
 
 LONG = "word " * 400
 ERRORS = [
-    ("no key", "/v1/embeddings", {"input": "x"}, None, 401, "Authorization: Bearer"),
-    ("wrong key", "/v1/models", None, "nope", 401, "API key"),
-    ("malformed JSON", "/v1/embeddings", b'{"input": [', KEY, 400, "not valid JSON"),
-    ("not an object", "/embed", b"[1, 2]", KEY, 422, "JSON object"),
-    ("wrong input type", "/v1/embeddings", {"input": 5}, KEY, 400, "input: must be a string"),
-    ("mixed input", "/v1/embeddings", {"input": ["a", 1]}, KEY, 400, "list of token ids"),
-    ("null inputs", "/embed", {"inputs": None}, KEY, 422, "inputs: must be a string or a list of strings"),
-    ("token ids to /embed", "/embed", {"inputs": [101, 102]}, KEY, 422, "token ids go to POST /v1/embeddings"),
-    ("wrong flag type", "/embed", {"inputs": "x", "normalize": "yes"}, KEY, 422, "normalize"),
-    ("misspelt field", "/embed", {"inputs": "x", "normalise": False}, KEY, 422, "normalise: is not a field"),
-    ("missing field", "/rerank", {"texts": ["a"]}, KEY, 422, "query"),
-    ("empty input", "/v1/embeddings", {"input": []}, KEY, 400, "input is empty"),
-    ("blank text", "/embed", {"inputs": ["fine", "  "]}, KEY, 422, "inputs[1] is blank"),
-    ("empty token list", "/v1/embeddings", {"input": [[101, 102], []]}, KEY, 400, "input[1] is an empty token-id list"),
-    ("token id out of range", "/v1/embeddings", {"input": [101, 10 ** 6]}, KEY, 400, "outside the model's vocabulary"),
-    ("unknown model", "/v1/embeddings", {"input": "x", "model": "gpt-4"}, KEY, 400, "unknown model 'gpt-4'"),
-    ("unknown format", "/v1/embeddings", {"input": "x", "encoding_format": "xml"}, KEY, 400, "encoding_format"),
-    ("too many dimensions", "/v1/embeddings", {"input": "x", "dimensions": 385}, KEY, 400, "at most 384"),
-    ("zero dimensions", "/embed", {"inputs": "x", "dimensions": 0}, KEY, 422, "dimensions"),
-    ("too many inputs", "/embed", {"inputs": ["x"] * 33}, KEY, 413, "--max-client-batch 32"),
-    ("too many documents", "/rerank", {"query": "q", "documents": ["x"] * 33}, KEY, 413, "--max-client-batch 32"),
-    ("body too large", "/embed", {"inputs": ["word " * 14000]}, KEY, 413, "--max-request-bytes 65536"),
-    ("too long, no truncation", "/embed", {"inputs": ["short", LONG], "truncate": False}, KEY, 422,
+    ("no key", "/v1/embeddings", {"input": "x"}, None, 401, "authentication_error", "Authorization: Bearer"),
+    ("wrong key", "/v1/models", None, "nope", 401, "authentication_error", "API key"),
+    ("no key on a TEI route", "/info", None, None, 401, "Validation", "Authorization: Bearer"),
+    ("malformed JSON", "/v1/embeddings", b'{"input": [', KEY, 400, "invalid_request_error", "not valid JSON"),
+    ("malformed JSON on a TEI route", "/embed", b'{"inputs": [', KEY, 400, "Validation", "not valid JSON"),
+    ("not an object", "/embed", b"[1, 2]", KEY, 422, "Validation", "JSON object"),
+    ("wrong input type", "/v1/embeddings", {"input": 5}, KEY, 400, "invalid_request_error", "input: must be a string"),
+    ("mixed input", "/v1/embeddings", {"input": ["a", 1]}, KEY, 400, "invalid_request_error", "list of token ids"),
+    ("null inputs", "/embed", {"inputs": None}, KEY, 422, "Validation", "inputs: must be a string or a list of strings"),
+    ("token ids to /embed", "/embed", {"inputs": [101, 102]}, KEY, 422, "Validation", "token ids go to POST /v1/embeddings"),
+    ("token ids to /tokenize", "/tokenize", {"inputs": [101, 102]}, KEY, 422, "Validation", "token ids go to POST /decode"),
+    ("texts to /decode", "/decode", {"ids": ["hello"]}, KEY, 422, "Validation", "ids: must be a list of token ids"),
+    ("wrong flag type", "/embed", {"inputs": "x", "normalize": "yes"}, KEY, 422, "Validation", "normalize"),
+    ("misspelt field", "/embed", {"inputs": "x", "normalise": False}, KEY, 422, "Validation", "normalise: is not a field"),
+    ("missing field", "/rerank", {"texts": ["a"]}, KEY, 422, "Validation", "query"),
+    ("empty input", "/v1/embeddings", {"input": []}, KEY, 400, "invalid_request_error", "input is empty"),
+    ("empty inputs", "/embed", {"inputs": []}, KEY, 400, "Empty", "inputs is empty"),
+    ("empty texts", "/rerank", {"query": "q", "texts": []}, KEY, 400, "Empty", "texts is empty"),
+    ("blank text", "/embed", {"inputs": ["fine", "  "]}, KEY, 400, "Empty", "inputs[1] is blank"),
+    ("empty text to /tokenize", "/tokenize", {"inputs": ""}, KEY, 400, "Empty", "inputs[0] is blank"),
+    ("empty token list", "/v1/embeddings", {"input": [[101, 102], []]}, KEY, 400, "invalid_request_error",
+     "input[1] is an empty token-id list"),
+    ("no ids", "/decode", {"ids": []}, KEY, 400, "Empty", "ids is empty"),
+    ("empty id list", "/decode", {"ids": [[101], []]}, KEY, 400, "Empty", "ids[1] is an empty token-id list"),
+    ("token id out of range", "/v1/embeddings", {"input": [101, 10 ** 6]}, KEY, 400, "invalid_request_error",
+     "outside the model's vocabulary"),
+    ("negative id to /decode", "/decode", {"ids": [101, -1]}, KEY, 422, "Validation", "outside the model's vocabulary 0..30521"),
+    ("unknown model", "/v1/embeddings", {"input": "x", "model": "gpt-4"}, KEY, 400, "invalid_request_error",
+     "unknown model 'gpt-4'"),
+    ("unknown format", "/v1/embeddings", {"input": "x", "encoding_format": "xml"}, KEY, 400, "invalid_request_error",
+     "encoding_format"),
+    ("too many dimensions", "/v1/embeddings", {"input": "x", "dimensions": 385}, KEY, 400, "invalid_request_error",
+     "at most 384"),
+    ("zero dimensions", "/embed", {"inputs": "x", "dimensions": 0}, KEY, 422, "Validation", "dimensions"),
+    ("too many inputs", "/embed", {"inputs": ["x"] * 33}, KEY, 413, "Validation", "--max-client-batch 32"),
+    ("too many documents", "/rerank", {"query": "q", "documents": ["x"] * 33}, KEY, 413, "Validation",
+     "--max-client-batch 32"),
+    ("too many to tokenize", "/tokenize", {"inputs": ["x"] * 33}, KEY, 413, "Validation", "--max-client-batch 32"),
+    ("too many to decode", "/decode", {"ids": [[101]] * 33}, KEY, 413, "Validation", "--max-client-batch 32"),
+    ("body too large", "/embed", {"inputs": ["word " * 14000]}, KEY, 413, "Validation", "--max-request-bytes 65536"),
+    ("body too large for OpenAI", "/v1/embeddings", {"input": ["word " * 14000]}, KEY, 413, "request_too_large",
+     "--max-request-bytes 65536"),
+    ("too long, no truncation", "/embed", {"inputs": ["short", LONG], "truncate": False}, KEY, 422, "Validation",
      "inputs[1] is longer than the model's max length of 256"),
-    ("rerank too long", "/rerank", {"query": "q", "texts": [LONG], "truncate": False}, KEY, 422, "texts[0] is longer"),
-    ("texts and documents", "/rerank", {"query": "q", "texts": ["a"], "documents": ["b"]}, KEY, 422, "exactly one"),
-    ("blank query", "/rerank", {"query": " ", "texts": ["a"]}, KEY, 422, "query is blank"),
-    ("no such endpoint", "/v2/embeddings", {"input": "x"}, KEY, 404, "no such endpoint"),
-    ("wrong method", "/embed", None, KEY, 405, "does not take that method"),
-    ("trailing slash", "/embed/", {"inputs": "x"}, KEY, 404, "no such endpoint"),
-    ("huge dimensions", "/v1/embeddings", {"input": "x", "dimensions": 10 ** 400}, KEY, 400,
+    ("rerank too long", "/rerank", {"query": "q", "texts": [LONG], "truncate": False}, KEY, 422, "Validation",
+     "texts[0] is longer"),
+    ("texts and documents", "/rerank", {"query": "q", "texts": ["a"], "documents": ["b"]}, KEY, 422, "Validation",
+     "exactly one"),
+    ("blank query", "/rerank", {"query": " ", "texts": ["a"]}, KEY, 400, "Empty", "query is blank"),
+    ("blank text to the root", "/", {"inputs": " "}, KEY, 400, "Empty", "inputs[0] is blank"),
+    # an embedding model's POST / is /embed, which has no query
+    ("rerank body to the root", "/", {"query": "q", "texts": ["a"]}, KEY, 422, "Validation", "query: is not a field"),
+    ("no such endpoint", "/v2/embeddings", {"input": "x"}, KEY, 404, "not_found_error", "no such endpoint"),
+    ("wrong method", "/embed", None, KEY, 405, "Validation", "does not take that method"),
+    ("wrong method for OpenAI", "/v1/embeddings", None, KEY, 405, "invalid_request_error", "does not take that method"),
+    ("trailing slash", "/embed/", {"inputs": "x"}, KEY, 404, "not_found_error", "no such endpoint"),
+    ("huge dimensions", "/v1/embeddings", {"input": "x", "dimensions": 10 ** 400}, KEY, 400, "invalid_request_error",
      "dimensions 100000000000... (401 digits) is more than the model's 384"),
 ]
 
@@ -270,7 +388,7 @@ def test_a_body_declared_as_not_json_gets_415_and_one_declared_as_nothing_is_rea
     with server.client() as client:
         refused = client.post("/embed", content=body, headers={"Content-Type": "text/plain"})
         assert refused.status_code == 415
-        assert "'Content-Type: application/json'" in refused.json()["error"]["message"]
+        assert "'Content-Type: application/json'" in refusal(refused)[0]
         for declared in ({}, {"Content-Type": ""}, {"Content-Type": "application/json; charset=utf-8"}):
             reply = client.post("/embed", content=body, headers=declared)
             assert reply.status_code == 200, reply.text
@@ -280,8 +398,10 @@ def test_a_body_declared_as_not_json_gets_415_and_one_declared_as_nothing_is_rea
         assert client.get("/v1/models", headers={"Content-Type": "text/plain"}).status_code == 200
 
 
-@pytest.mark.parametrize("path, body, key, status, phrase", [case[1:] for case in ERRORS], ids=[case[0] for case in ERRORS])
-def test_bad_requests_get_their_status_and_message(server: Server, texts, indexed, path, body, key, status, phrase) -> None:
+@pytest.mark.parametrize("path, body, key, status, kind, phrase", [case[1:] for case in ERRORS],
+                         ids=[case[0] for case in ERRORS])
+def test_bad_requests_get_their_status_and_message(server: Server, texts, indexed, path, body, key, status, kind,
+                                                   phrase) -> None:
     with server.client(key) as client:
         if body is None:
             reply = client.get(path)
@@ -290,7 +410,8 @@ def test_bad_requests_get_their_status_and_message(server: Server, texts, indexe
         else:
             reply = client.post(path, json=body)
     assert reply.status_code == status, reply.text
-    assert phrase in reply.json()["error"]["message"]
+    message, error_type = refusal(reply)
+    assert phrase in message and error_type == kind
     with server.client() as client:
         after = client.post("/embed", json={"inputs": texts[5]})
     assert after.status_code == 200
@@ -305,7 +426,7 @@ def test_the_key_counts_under_the_bearer_scheme_in_any_case(server: Server, text
     if status == 200:
         np.testing.assert_allclose(reply.json()[0], indexed[0][5], atol=1e-5)
     else:
-        assert "Authorization: Bearer" in reply.json()["error"]["message"]
+        assert "Authorization: Bearer" in refusal(reply)[0]
 
 
 def test_body_without_length_is_cut_off_at_the_limit(client: httpx.Client) -> None:
@@ -316,7 +437,7 @@ def test_body_without_length_is_cut_off_at_the_limit(client: httpx.Client) -> No
         yield b'"}'
 
     reply = client.post("/embed", content=chunks(), headers={"Content-Type": "application/json"})
-    assert reply.status_code == 413 and "--max-request-bytes" in reply.json()["error"]["message"]
+    assert reply.status_code == 413 and "--max-request-bytes" in refusal(reply)[0]
 
 
 def test_body_in_many_chunks_is_read_whole(client: httpx.Client, texts, indexed) -> None:
@@ -338,7 +459,8 @@ def test_full_queue_gets_429_with_retry_after_then_serves_again(client: httpx.Cl
     refused = client.post("/embed", json={"inputs": ["a query"] * 10})
     worker.join()
     assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
-    assert "the queue holds 32 of at most 40 sequences" in refused.json()["error"]["message"]
+    message, error_type = refusal(refused)
+    assert "the queue holds 32 of at most 40 sequences" in message and error_type == "Overloaded"
     assert slow["reply"].status_code == 200 and len(slow["reply"].json()) == 32
     assert client.post("/embed", json={"inputs": ["a query"] * 10}).status_code == 200
 
@@ -474,14 +596,21 @@ def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path)
                                                      token_type_ids=torch.from_numpy(types).long()[None]).logits).item()
                              for ids, types in zip(pairs.ids, pairs.type_ids)])
     order = np.argsort(-expected, kind="stable")
+    config = json.loads((path / "config.json").read_text())
     with serving(create_app(engine, tokenizer)) as url:
         hits = httpx.post(url + "/rerank", json={"query": query, "texts": docs}).json()
+        root = httpx.post(url + "/", json={"query": query, "texts": docs}).json()  # TEI's POST / ranks for a reranker
         cut = httpx.post(url + "/rerank", json={"query": query, "texts": docs, "truncate": False})
         vectors = httpx.post(url + "/embed", json={"inputs": "x"})
+        openai_vectors = httpx.post(url + "/v1/embeddings", json={"input": "x"})
+        info = httpx.get(url + "/info").json()
     assert [hit["index"] for hit in hits] == order.tolist()
     np.testing.assert_allclose([hit["score"] for hit in hits], expected[order], atol=1e-5)
-    assert cut.status_code == 422 and "texts[1] is longer" in cut.json()["error"]["message"]
-    assert vectors.status_code == 400 and "cross-encoder" in vectors.json()["error"]["message"]
+    assert root == hits
+    assert cut.status_code == 422 and "texts[1] is longer" in refusal(cut)[0]
+    assert vectors.status_code == 422 and "cross-encoder" in refusal(vectors)[0]
+    assert openai_vectors.status_code == 400 and "cross-encoder" in refusal(openai_vectors)[0]
+    assert info["model_type"] == {"reranker": {"id2label": config["id2label"], "label2id": config["label2id"]}}
 
 
 def test_prompts_and_tei_fields_give_the_vectors_index_and_score_would(random_bert: Path) -> None:
@@ -505,6 +634,8 @@ def test_prompts_and_tei_fields_give_the_vectors_index_and_score_would(random_be
                                                    "raw_scores": False}).json()
         unknown = httpx.post(url + "/embed", json={"inputs": "x", "prompt_name": "nope"})
         left = httpx.post(url + "/embed", json={"inputs": "x", "truncation_direction": "left"})
+        tokens = httpx.post(url + "/tokenize", json={"inputs": "hello there"}).json()[0]
+        named_tokens = httpx.post(url + "/tokenize", json={"inputs": "hello there", "prompt_name": "clustering"}).json()[0]
     # This model has no Normalize module, so /v1/embeddings answers its raw vector.
     np.testing.assert_allclose(unit(np.array([openai_style["data"][0]["embedding"]])), expected("passage: hello there"),
                                atol=1e-5)
@@ -513,9 +644,31 @@ def test_prompts_and_tei_fields_give_the_vectors_index_and_score_would(random_be
     query, one, two = expected("query: a question", "passage: one", "passage: two")
     assert {hit["index"]: hit["score"] for hit in ranked} == pytest.approx({0: float(one @ query), 1: float(two @ query)},
                                                                            abs=1e-5)
-    assert unknown.status_code == 422 and "no prompt named 'nope'" in unknown.json()["error"]["message"]
-    assert set(unknown.json()["error"]) == {"message", "type", "param", "code"}  # OpenAI's error shape
-    assert left.status_code == 422 and "truncation_direction" in left.json()["error"]["message"]
+    message, error_type = refusal(unknown)
+    assert unknown.status_code == 422 and "no prompt named 'nope'" in message and error_type == "Validation"
+    assert left.status_code == 422 and "truncation_direction" in refusal(left)[0]
+    # /tokenize shows what /embed embeds: the document prompt first, unless prompt_name names another
+    assert [token["id"] for token in tokens] == tokenizer.encode(["passage: hello there"]).ids[0].tolist()
+    assert [(token["text"], token["start"]) for token in named_tokens[1:-1]] == [
+        ("cluster", 0), (":", 7), ("hello", 9), ("there", 15)]
+
+
+def test_an_engine_failure_is_tei_backend_error_and_openai_server_error(tmp_path: Path) -> None:
+    """A model whose embedding table (5,000 rows) is smaller than its tokenizer's vocabulary: "zebra"
+    is id 29145, which fails the engine's step. TEI answers that 424 "Backend", OpenAI 500; the
+    request's failure is its own, and the server goes on serving ("warm up" is ids 4010 and 2039)."""
+    path = save_random_model(tmp_path / "small-vocabulary", pooling="mean", vocab_size=5000)
+    engine = Engine.load(str(path), EngineConfig(device="cpu", normalize=False))
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+    with serving(create_app(engine, tokenizer)) as url:
+        tei = httpx.post(url + "/embed", json={"inputs": "zebra"})
+        openai_style = httpx.post(url + "/v1/embeddings", json={"input": "zebra"})
+        after = httpx.post(url + "/embed", json={"inputs": "warm up"})
+    message, error_type = refusal(tei)
+    assert tei.status_code == 424 and "the engine failed on this request" in message and error_type == "Backend"
+    assert openai_style.status_code == 500 and refusal(openai_style)[1] == "server_error"
+    assert after.status_code == 200
+    np.testing.assert_allclose(after.json(), unit(engine.embed(tokenizer.encode(["warm up"]).ids)), atol=1e-5)
 
 
 def test_scheduler_answers_each_request_in_order_across_batches(random_bert: Path) -> None:

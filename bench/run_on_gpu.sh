@@ -15,6 +15,12 @@ wheels=$(ls .bundle/whl/*.whl .whl/*.whl 2>/dev/null)  # flashinfer; fastapi, uv
 if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site $wheels && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+# .bundle/site.tar.xz: the flashinfer wheels unpacked and packed with xz, 19 MiB against 62 (so it fits in a
+# call's carry beside .bundle/minilm): for w in .bundle/whl/*.whl; do unzip -qo "$w" -d site; done; tar -cJf
+# .bundle/site.tar.xz -C site .
+if [ -f .bundle/site.tar.xz ]; then
+  mkdir -p /tmp/site && tar -xJf .bundle/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
 { date -u; cat COMMIT 2>/dev/null || git rev-parse --short HEAD; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$out/machine.txt"
 eval python3 -m pytest -p no:cacheprovider -q -ra "$1" 2>&1 | tee "$out/tests.log"  # eval: $1 may quote a -k expression

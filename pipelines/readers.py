@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import posixpath
 import re
 import zlib
@@ -175,6 +176,9 @@ class CorpusReader:
             except pa.ArrowInvalid as error:
                 raise UserError(f"{f.shown}: {self.id_col} does not read as text ({short_reason(error)}); "
                                 "store ids as UTF-8 strings or numbers") from None
+            except _BadId as bad:
+                raise UserError(f"{f.shown} row {lines[bad.index]}: {self.id_col} is {bad}, which names no row; "
+                                "store ids as strings or finite numbers, or pass --id-col naming the id column") from None
             if "" in ids:
                 raise UserError(f"{f.shown} row {lines[ids.index('')]}: {self.id_col} is empty; give every row an id, "
                                 "or pass --id-col naming a column the file lacks to number rows instead")
@@ -277,10 +281,14 @@ class CorpusReader:
         value = row[self.id_col]
         if value == "":
             raise UserError(f"{f.shown} line {number}: {self.id_col} is empty; {_JSONL_ID_FIX}")
-        if not isinstance(value, (str, int, float)):  # a boolean passes, as an int
+        if not isinstance(value, (str, int, float)):  # a boolean passes, as an int, to _id_text
             raise UserError(f"{f.shown} line {number}: {self.id_col} is {_kind(value)}, not a string or number; "
                             f"{_JSONL_ID_FIX}")
-        return _id_text(value)
+        try:
+            return _id_text(value)
+        except _BadId as bad:
+            raise UserError(f"{f.shown} line {number}: {self.id_col} is {bad}, which names no row; "
+                            f"{_JSONL_ID_FIX}") from None
 
     def _jsonl_kept(self, f: _File, rows: list[dict], lines: list[int]) -> pa.Table | None:
         """The kept keys as a table whose schema the first chunk fixes for all later ones.
@@ -354,7 +362,21 @@ def _parquet_ids(ids: pa.Array) -> list[str]:
     if pa.types.is_float32(kind):
         # As a double, float32 0.1 is 0.10000000149011612; its own shortest text, 0.1, is what an export writes.
         ids = ids.cast(pa.string()).cast(pa.float64())
-    return [_id_text(value) for value in ids.to_pylist()]
+    texts = []
+    for index, value in enumerate(ids.to_pylist()):
+        try:
+            texts.append(_id_text(value))
+        except _BadId as bad:
+            bad.index = index
+            raise
+    return texts
+
+
+class _BadId(ValueError):
+    """An id value that cannot name a row: a boolean (a mislabelled column), NaN or an infinity.
+    index: its position in the column it came from, where there is one."""
+
+    index = 0
 
 
 def _id_text(value: str | int | float | Decimal) -> str:
@@ -364,13 +386,16 @@ def _id_text(value: str | int | float | Decimal) -> str:
     A whole number is written as an integer whatever its type: 7, 7.0 and Decimal("7.00") give "7", 1e20
     gives "100000000000000000000". Exporters turn integer ids into floats freely (pandas does for an int
     column with a null; JavaScript has no integers), and Arrow already wrote whole Parquet floats so (below 1e16).
-    Other numbers take Python's shortest text that reads back as the same double ("0.5", "1e-07", "nan"),
-    a decimal first becoming the double a JSON reader would make of it; booleans are "true" and "false".
+    Other numbers take Python's shortest text that reads back as the same double ("0.5", "1e-07"), a
+    decimal first becoming the double a JSON reader would make of it. _BadId for a boolean, NaN or an
+    infinity: NaN equals no other id, and all three come from a column that holds no ids.
     """
     if isinstance(value, str):
         return value
     if isinstance(value, bool):
-        return json.dumps(value)
+        raise _BadId(json.dumps(value))
+    if (isinstance(value, float) and not math.isfinite(value)) or (isinstance(value, Decimal) and not value.is_finite()):
+        raise _BadId(str(value))
     if isinstance(value, Decimal):
         value = int(value) if value == value.to_integral_value() else float(value)
     if isinstance(value, float) and value.is_integer():

@@ -196,8 +196,6 @@ def test_ids_are_stringified_from_the_id_column(tmp_path):
         (pa.array([0.1, 7.0], pa.float32()), ["0.1", "7"], ["0.1", "7"]),
         (pa.array([Decimal("7.00"), Decimal("1.50")], pa.decimal128(10, 2)), ["7.00", "1.50"], ["7", "1.5"]),
         (pa.array([Decimal(2**70)], pa.decimal128(38, 0)), [str(2**70)], [str(2**70)]),
-        (pa.array([True, False]), ["true", "false"], ["true", "false"]),
-        (pa.array([float("nan"), float("-inf")]), ["NaN", "-Infinity"], ["nan", "-inf"]),
         (pa.array(["7.0", "0x1"]), ['"7.0"', '"0x1"'], ["7.0", "0x1"]),
     ],
 )
@@ -207,6 +205,19 @@ def test_numeric_ids_read_the_same_from_parquet_and_jsonl(tmp_path, column, json
     write_jsonl(tmp_path / "a.jsonl", [f'{{"id": {i}, "text": "{t}"}}' for i, t in zip(json_ids, texts)])
     assert read_all(CorpusReader(str(tmp_path / "a.parquet")))[1] == expected
     assert read_all(CorpusReader(str(tmp_path / "a.jsonl")))[1] == expected
+
+
+@pytest.mark.parametrize(
+    "column, parquet_row, json_id, shown",
+    [(pa.array([7.0, float("nan")]), 2, "NaN", "nan"), (pa.array([7.0, float("-inf")]), 2, "-Infinity", "-inf"),
+     (pa.array([True, False]), 1, "true", "true")],
+)
+def test_ids_that_name_no_row_are_refused_with_where_they_are(tmp_path, column, parquet_row, json_id, shown):
+    write_parquet(tmp_path / "a.parquet", {"id": column, "text": ["a", "b"]})
+    write_jsonl(tmp_path / "a.jsonl", ['{"id": 7, "text": "a"}', f'{{"id": {json_id}, "text": "b"}}'])
+    for name, where in (("a.parquet", f"row {parquet_row}"), ("a.jsonl", "line 2")):
+        with pytest.raises(UserError, match=rf"a\.{name[2:]} {where}: id is {shown}, which names no row;"):
+            read_all(CorpusReader(str(tmp_path / name)))
 
 
 def test_ids_are_stable_across_reads(tmp_path):

@@ -48,21 +48,12 @@ def main() -> None:
         return
     args = parse_args()
     arms = dict(arm.split("=", 1) for arm in args.arms.split(","))
-    models = {name: str(path) for name, path in checkpoints(args.models.split(","), args.minilm).items()}
-    rounds: list[dict] = []
-    for round_index in range(args.rounds):
-        order = list(arms)[round_index % len(arms):] + list(arms)[: round_index % len(arms)]
-        for arm in order:
-            job = {"tree": str(Path(arms[arm]).resolve()), "models": models, "attention": args.attention,
-                   "repeats": args.repeats,
-                   "profile": args.profile}
-            child = subprocess.run([sys.executable, "-m", "bench.step_latency", "--worker", json.dumps(job)],
-                                   capture_output=True, text=True)
-            if child.returncode != 0:
-                raise SystemExit(f"arm {arm} failed:\n{child.stderr[-4000:]}")
-            result = json.loads(child.stdout.strip().splitlines()[-1])
-            rounds.append({"arm": arm, "round": round_index, **result})
-            print(f"round {round_index} {arm}: {json.dumps(result)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="embedctl-step-latency-") as folder:
+        paths = checkpoints(args.models.split(","), args.minilm, Path(folder))
+        models = {name: str(path) for name, path in paths.items()}
+        rounds = [{"arm": arm, "round": round_index, **run_arm(arm, arms[arm], models, args)}
+                  for round_index in range(args.rounds)
+                  for arm in list(arms)[round_index % len(arms):] + list(arms)[: round_index % len(arms)]]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"arms": arms, "rounds": rounds}, indent=2))
     report = render(list(arms), rounds)
@@ -70,11 +61,24 @@ def main() -> None:
     print(report)
 
 
-def checkpoints(names: list[str], minilm: Path) -> dict[str, Path]:
+def run_arm(arm: str, tree: str, models: dict[str, str], args: argparse.Namespace) -> dict:
+    """One arm's figures, from a child process that imports the engine under `tree`."""
+    job = {"tree": str(Path(tree).resolve()), "models": models, "attention": args.attention, "repeats": args.repeats,
+           "profile": args.profile}
+    child = subprocess.run([sys.executable, "-m", "bench.step_latency", "--worker", json.dumps(job)],
+                           capture_output=True, text=True)
+    if child.returncode != 0:
+        raise SystemExit(f"arm {arm} failed:\n{child.stderr[-4000:]}")
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    print(f"{arm}: {json.dumps(result)}", flush=True)
+    return result
+
+
+def checkpoints(names: list[str], minilm: Path, folder: Path) -> dict[str, Path]:
+    """The models' folders: MiniLM's own, the random ones written under folder."""
     from bench.common import random_bert_base
     from tests.test_qwen3 import QWEN3_06B, save_random_qwen3
 
-    folder = Path(tempfile.mkdtemp(prefix="embedctl-step-latency-"))
     makers = {"minilm": lambda: minilm, "bert-base": lambda: random_bert_base(folder / "bert-base"),
               "qwen3-0.6b": lambda: save_random_qwen3(folder / "qwen3", device="cuda", **QWEN3_06B)}
     return {name: makers[name]() for name in names}

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 
 from pipelines.progress import Progress as PipelineProgress
 
@@ -31,9 +32,14 @@ def progress_bars(enabled: bool) -> Iterator[Bars | None]:
     with Progress(*columns, console=Console(stderr=True), transient=True) as display:
 
         def bar(label: str, unit: str) -> PipelineProgress:
-            task = display.add_task(label, total=None, unit=unit, rate="", eta="")
+            task: TaskID | None = None
 
             def update(done: int, tokens: int, total: int | None) -> None:
+                nonlocal task
+                if task is None:  # a phase's clock starts at its first report, and the phase before it has ended
+                    for earlier in display.task_ids:
+                        display.stop_task(earlier)
+                    task = display.add_task(label, total=None, unit=unit, rate="", eta="")
                 elapsed = next(t for t in display.tasks if t.id == task).elapsed or 0.0
                 rate = "" if not elapsed else (f"{tokens / elapsed:,.0f} tokens/s" if tokens
                                                else f"{done / elapsed:,.0f} {unit}/s")

@@ -73,9 +73,13 @@ from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
 
 log = logging.getLogger("embedctl.serve")
+
+try:
+    VERSION = importlib.metadata.version("embedctl")
+except importlib.metadata.PackageNotFoundError:  # a checkout run in place, not installed (the GPU machine's)
+    VERSION = "0+unknown"
 T = TypeVar("T")
 
-VERSION = importlib.metadata.version("embedctl")
 
 API_KEY_ENV = "EMBEDCTL_API_KEY"
 DRAIN_SECONDS = 30  # how long Ctrl-C / SIGTERM waits for requests in flight before cutting them off
@@ -101,8 +105,9 @@ OPENAI_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: 
 # OpenAI's API has neither 422 nor 424: it answers any invalid request with 400 and its own failure with 500.
 OPENAI_STATUS = {422: 400, 424: 500}
 TeiErrorType = Literal["Validation", "Empty", "Overloaded", "Backend", "Unhealthy"]
-# TEI's error_type for a status that has one of its own (TEI never answers 500; its failures are 424s); any
-# other refusal is a "Validation", TEI's name for a request it will not serve as sent.
+# TEI's error_type for a status that has one of its own (an engine failure is TEI's 424; anything else that
+# fails, 500, is a Backend error too); any other refusal is a "Validation", TEI's name for a request it will not
+# serve as sent.
 TEI_ERROR_TYPES: dict[int, TeiErrorType] = {424: "Backend", 429: "Overloaded", 500: "Backend", 503: "Unhealthy"}
 TEI_POOLING = {"last": "last_token"}  # TEI's names for pooling modes, where they differ from embedctl's
 # What each refusal means, as /openapi.json describes it.

@@ -237,11 +237,13 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
         flow.consume(records, store)
         _embed(model, tokenized, flow)
         flow.finish()
-        if options.prune and not source and store.existing:
-            raise UserError(f"the source holds no rows to index, so --prune would delete all {len(store.existing):,} "
-                            f"rows of {options.out}; check the source (an empty export?), or remove the output to "
-                            "start it empty")
-        report.deleted = store.finish(source, options.prune, emptied - source.keys())
+        if not source and (options.prune or emptied) and store.existing:
+            doomed = len(store.existing) if options.prune else len(emptied)
+            cause = "--prune" if options.prune else "their empty texts"
+            raise UserError(f"the source holds no rows with text, so {cause} would delete {doomed:,} of the "
+                            f"{len(store.existing):,} rows of {options.out}; check the source (an empty export?), "
+                            "or remove the output to start it empty")
+        report.deleted = store.finish(source, options.prune, emptied)
     except BaseException:
         flow.cancel()
         if store is not None:

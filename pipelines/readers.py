@@ -178,7 +178,8 @@ class CorpusReader:
                                 "store ids as UTF-8 strings or numbers") from None
             except _BadId as bad:
                 raise UserError(f"{f.shown} row {lines[bad.index]}: {self.id_col} is {bad}, which names no row; "
-                                "store ids as strings or finite numbers, or pass --id-col naming the id column") from None
+                                "store ids as strings or finite numbers, or pass --id-col naming the id column") \
+                    from None
             if "" in ids:
                 raise UserError(f"{f.shown} row {lines[ids.index('')]}: {self.id_col} is empty; give every row an id, "
                                 "or pass --id-col naming a column the file lacks to number rows instead")
@@ -386,18 +387,22 @@ def _id_text(value: str | int | float | Decimal) -> str:
     A whole number is written as an integer whatever its type: 7, 7.0 and Decimal("7.00") give "7", 1e20
     gives "100000000000000000000". Exporters turn integer ids into floats freely (pandas does for an int
     column with a null; JavaScript has no integers), and Arrow already wrote whole Parquet floats so (below 1e16).
-    Other numbers take Python's shortest text that reads back as the same double ("0.5", "1e-07"), a
-    decimal first becoming the double a JSON reader would make of it. _BadId for a boolean, NaN or an
+    Other numbers take Python's shortest text that reads back as the same double ("0.5", "1e-07"); a
+    decimal keeps its own digits less trailing zeros ("1.5" for 1.50), which is the double's text too
+    for up to 15 significant digits, and keeps longer decimal ids apart. _BadId for a boolean, NaN or an
     infinity: NaN equals no other id, and all three come from a column that holds no ids.
     """
     if isinstance(value, str):
         return value
     if isinstance(value, bool):
         raise _BadId(json.dumps(value))
-    if (isinstance(value, float) and not math.isfinite(value)) or (isinstance(value, Decimal) and not value.is_finite()):
+    finite = value.is_finite() if isinstance(value, Decimal) else not isinstance(value, float) or math.isfinite(value)
+    if not finite:
         raise _BadId(str(value))
     if isinstance(value, Decimal):
-        value = int(value) if value == value.to_integral_value() else float(value)
+        if value != value.to_integral_value():
+            return format(value.normalize(), "f")
+        value = int(value)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(value)

@@ -180,7 +180,7 @@ class StoredVectors:
 
                 self._dataset = pyarrow.dataset.dataset(path, format="parquet")
                 schema, self.rows = self._dataset.schema, self._dataset.count_rows()
-        except (ValueError, OSError) as error:
+        except (ValueError, OSError, RuntimeError) as error:  # lance raises RuntimeError for a store it cannot reach
             raise UserError(f"cannot open {shown} ({short_reason(error)}); give a table written by "
                             "`embedctl index` (x.lance, x.parquet, a directory of parts, or a database with --table)") \
                 from None
@@ -244,6 +244,9 @@ def open_inputs(options: ScoreOptions) -> Inputs:
                         "rerank at least as many documents as you keep")
     if options.format not in FORMATS:
         raise UserError(f"unknown --format {options.format!r}; use one of {', '.join(FORMATS)}")
+    if options.table is not None and options.index is None:
+        raise UserError(f"--table {options.table} names a table of --index, and there is no --index; give --index "
+                        "the LanceDB database that holds it")
     if options.docs is None and options.index is None:
         raise UserError("no documents: give DOCS (a file or directory) or --index with a table built by `embedctl index`")
     if options.out is not None:
@@ -251,9 +254,6 @@ def open_inputs(options: ScoreOptions) -> Inputs:
     queries = _read_queries(options)
     docs = CorpusReader(options.docs, options.text_col, options.id_col, chunk_rows=options.chunk_rows) \
         if options.docs is not None else None
-    if options.table is not None and options.index is None:
-        raise UserError(f"--table {options.table} names a table of --index, and there is no --index; give --index "
-                        "the LanceDB database that holds it")
     table = StoredVectors(options.index, options.text_col, options.table) if options.index is not None else None
     if options.reranker is not None and docs is None and not table.has_texts:
         raise UserError(f"--reranker needs the documents' texts and --index {options.index} has no "
@@ -273,7 +273,9 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
     doc_ids: list[str] = []
     seen: set[str] = set()
     skipped = tokens = 0
-    total = docs.rows if isinstance(docs, StoredVectors) else docs.total_rows if isinstance(docs, CorpusReader) else None
+    total = docs.rows if isinstance(docs, StoredVectors) else None
+    if isinstance(docs, CorpusReader):
+        total = docs.total_rows
     if progress is not None:
         progress(0, 0, total)
     if isinstance(docs, StoredVectors):
@@ -324,6 +326,8 @@ def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking
     doc_ids: list[list[str]] = []
     scores: list[np.ndarray] = []
     pairs = 0
+    if progress is not None:
+        progress(0, 0, len(queries.ids))
     for start in range(0, len(queries.ids), RERANK_QUERY_BLOCK):
         block = range(start, min(start + RERANK_QUERY_BLOCK, len(queries.ids)))
         firsts = [queries.texts[q] for q in block for _ in ranking.doc_ids[q]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -33,6 +34,26 @@ def run_cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:
     """The command line as a user runs it: a subprocess in cwd."""
     return subprocess.run([sys.executable, "-m", "embedctl.cli", *map(str, args)], cwd=cwd, env=ENV,
                           capture_output=True, text=True, timeout=300)
+
+
+def run_cli_in_terminal(*args: object, cwd: Path) -> tuple[int, str]:
+    """The command line with its stderr on a terminal (a pseudo-terminal), as a person watching it has it:
+    the exit code and everything the terminal received."""
+    primary, secondary = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", *map(str, args)], cwd=cwd, env=ENV,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=secondary)
+    os.close(secondary)
+    received = bytearray()
+    while True:  # read as it comes: a full terminal buffer would block the command
+        try:
+            data = os.read(primary, 65536)
+        except OSError:  # EIO: the command and its children have closed the terminal
+            break
+        if not data:
+            break
+        received += data
+    os.close(primary)
+    return process.wait(timeout=300), received.decode(errors="replace")
 
 
 @contextmanager

@@ -295,13 +295,18 @@ def test_a_store_that_fails_mid_run_stops_every_thread_and_keeps_the_old_output(
 
 
 @pytest.mark.parametrize("out", OUTPUTS)
-def test_prune_against_a_source_without_rows_is_refused(tmp_path: Path, engine: Engine, out: str) -> None:
-    """An upstream export that failed and left empty files must not wipe the index in a cron job."""
+@pytest.mark.parametrize(("rows", "prune", "phrase"), [
+    ([{"id": "blank", "text": "  "}], True, "--prune would delete 1 of the 1 rows of"),
+    ([{"id": "old", "text": None}], False, "their empty texts would delete 1 of the 1 rows of"),
+], ids=["prune", "emptied"])
+def test_a_source_without_text_that_would_delete_rows_is_refused(tmp_path: Path, engine: Engine, out: str,
+                                                                 rows: list[dict], prune: bool, phrase: str) -> None:
+    """An upstream export that failed and left empty files or null texts must not wipe the index in a cron job."""
     existing = existing_output(engine, tmp_path, out)
-    empty = write_jsonl(tmp_path / "empty.jsonl", [{"id": "blank", "text": "  "}])
-    options = IndexOptions(source=str(empty), out=existing, prune=True)
+    empty = write_jsonl(tmp_path / "empty.jsonl", rows)
+    options = IndexOptions(source=str(empty), out=existing, prune=prune)
     assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options), UserError,
-                                   "the source holds no rows to index, so --prune would delete all 1 rows of")
+                                   f"the source holds no rows with text, so {phrase}")
     assert read_output(existing).column("id").to_pylist() == ["old"]
 
 

@@ -207,6 +207,14 @@ def test_numeric_ids_read_the_same_from_parquet_and_jsonl(tmp_path, column, json
     assert read_all(CorpusReader(str(tmp_path / "a.jsonl")))[1] == expected
 
 
+def test_decimal_ids_keep_their_digits(tmp_path):
+    ids = pa.array([Decimal("12345678901234567890.1"), Decimal("12345678901234567890.2"), Decimal("0.50")],
+                   pa.decimal128(38, 2))
+    write_parquet(tmp_path / "a.parquet", {"id": ids, "text": ["a", "b", "c"]})
+    assert read_all(CorpusReader(str(tmp_path / "a.parquet")))[1] == ["12345678901234567890.1",
+                                                                     "12345678901234567890.2", "0.5"]
+
+
 @pytest.mark.parametrize(
     "column, parquet_row, json_id, shown",
     [(pa.array([7.0, float("nan")]), 2, "NaN", "nan"), (pa.array([7.0, float("-inf")]), 2, "-Infinity", "-inf"),

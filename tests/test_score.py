@@ -34,7 +34,7 @@ from engine import UserError
 from tests.models import minilm_path, save_random_model
 from pipelines.readers import Chunk
 from tests.files import snapshot, write_jsonl
-from tests.files import ENV, assert_one_error_line, good_rows, run_cli
+from tests.files import ENV, assert_one_error_line, good_rows, run_cli, run_cli_in_terminal
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
 QUERIES, CORPUS = SAMPLE / "queries.jsonl", SAMPLE / "corpus"
@@ -383,7 +383,7 @@ def test_progress_counts_documents_and_their_tokens_then_reranked_queries(model:
     reranked = []
     texts = {"a": "first document", "b": "the second document", "c": "a third one"}
     rerank(reranker.engine, reranker.tokenizer, queries, ranking, texts, top_k=2, progress=lambda *args: reranked.append(args))
-    assert reranked == [(3, 0, 3)]
+    assert reranked == [(0, 0, 3), (3, 0, 3)]
 
 
 def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_dir: Path) -> None:
@@ -528,6 +528,11 @@ def _table_without_index(tmp: Path) -> tuple[list, list[str]]:
     return ["queries.jsonl", CORPUS, "--table", "vectors"], ["--table vectors", "there is no --index"]
 
 
+def _table_without_index_or_docs(tmp: Path) -> tuple[list, list[str]]:
+    _good_queries(tmp)
+    return ["queries.jsonl", "--table", "vectors"], ["--table vectors", "there is no --index"]
+
+
 def _table_of_a_parquet_index(tmp: Path) -> tuple[list, list[str]]:
     _good_queries(tmp)
     return ["queries.jsonl", "--index", "vectors.parquet", "--table", "vectors"], ["is a Parquet table", "drop --table"]
@@ -564,7 +569,7 @@ def _qrels_relevance_infinite(tmp: Path) -> tuple[list, list[str]]:
 BAD_INPUTS = [_duplicate_query_ids, _duplicate_doc_ids, _no_queries, _no_documents, _top_k_zero, _existing_out,
               _whitespace_id_in_trec, _no_docs_and_no_index, _qrels_for_unknown_queries, _reranker_is_not_a_cross_encoder,
               _rerank_depth_below_top_k, _qrels_relevance_a_fraction, _qrels_relevance_infinite, _table_without_index,
-              _table_of_a_parquet_index, _table_not_in_the_database, _table_of_a_missing_database]
+              _table_without_index_or_docs, _table_of_a_parquet_index, _table_not_in_the_database, _table_of_a_missing_database]
 
 
 @pytest.fixture(scope="module")
@@ -607,6 +612,17 @@ def test_reranked_run_with_metrics_and_report(cli_runs: dict) -> None:
     hits = {q: [r["doc_id"] for r in rows if r["query_id"] == q] for q in wanted}
     assert report["metrics"]["recall@10"] == pytest.approx(np.mean([wanted[q] in hits[q] for q in wanted]), abs=1e-6)
     assert f"Recall@10 {report['metrics']['recall@10']:.4f}" in result.stderr and "nDCG@10" in result.stderr
+
+
+def test_a_terminal_sees_a_bar_per_phase_unless_quiet(tmp_path: Path, cross_encoder: Path) -> None:
+    args = ["score", QUERIES, CORPUS, "--reranker", cross_encoder, "--top-k", "3", "--out", "run.jsonl"]
+    code, shown = run_cli_in_terminal(*args, cwd=tmp_path)
+    assert code == 0, shown
+    assert "ranking" in shown and "documents" in shown and "reranking" in shown and "queries" in shown
+    assert "50 queries x 300 documents" in shown  # the summary line, after the bars
+    (tmp_path / "run.jsonl").unlink()
+    code, shown = run_cli_in_terminal(*args, "--quiet", cwd=tmp_path)
+    assert code == 0 and shown == "", shown
 
 
 def test_a_blank_row_sharing_a_ranked_id_does_not_replace_its_text_for_the_reranker(tmp_path: Path) -> None:

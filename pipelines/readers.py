@@ -131,7 +131,7 @@ class CorpusReader:
             if col not in schema.names:
                 raise UserError(
                     f"{f.shown} has no column '{col}' for --keep (its columns: {names}); "
-                    "drop it from --keep"
+                    "check its spelling or drop it from --keep"
                 )
         f.has_id = self.id_col in schema.names
         if f.has_id:

@@ -367,7 +367,7 @@ def test_parquet_dictionary_encoded_strings_are_read_decoded(tmp_path):
 def test_parquet_missing_keep_column(tmp_path):
     write_parquet(tmp_path / "a.parquet", {"text": ["x"]})
     message = error(path=str(tmp_path), keep=["lang"])
-    assert f"{tmp_path}/a.parquet has no column 'lang' for --keep" in message
+    assert f"{tmp_path}/a.parquet has no column 'lang' for --keep (its columns: text); check its spelling" in message
 
 
 def test_jsonl_kept_key_in_no_line_is_refused_up_front(tmp_path):

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import torch
@@ -38,6 +39,7 @@ from pipelines.progress import Progress
 from pipelines.qrels import CUTOFF, Metrics, Qrels, evaluate, read_qrels
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import CORES, TextTokenizer, resolve_prompt
+from pipelines.writers import database_tables
 
 FORMATS = ("jsonl", "trec")
 TREC_RUN_TAG = "embedctl"
@@ -163,6 +165,13 @@ class StoredVectors:
         if table is not None and (path.rstrip("/").endswith(".parquet") or path.endswith("/")):
             raise UserError(f"--table {table} names a table of a LanceDB database, and {path} is a Parquet table; "
                             "drop --table, or give --index the LanceDB directory or URI")
+        if "://" not in path and not os.path.exists(path):
+            wanted = (f"the LanceDB database that holds table '{table}'" if table is not None else
+                      "a table written by `embedctl index` (x.lance, x.parquet, a directory of parts, or a database "
+                      "with --table)")
+            raise UserError(f"--index {path} does not exist; give {wanted}")
+        if table is None and not path.rstrip("/").endswith(".lance") and (tables := _database_tables(path)):
+            raise UserError(f"--index {path} is a LanceDB database (tables: {', '.join(tables)}); pass --table NAME")
         try:
             if table is not None or path.rstrip("/").endswith(".lance"):
                 import lancedb  # here, not at the top: Parquet tables work where lancedb is not installed
@@ -233,6 +242,15 @@ class StoredVectors:
                 if doc_id in wanted:
                     found[doc_id] = text
         return found
+
+
+def _database_tables(path: str) -> list[str]:
+    """The LanceDB tables in folder path; none where it is no folder or cannot be listed."""
+    try:
+        fs, local = fsspec.core.url_to_fs(path)
+    except (ValueError, ImportError, OSError):
+        return []
+    return database_tables(fs, local)
 
 
 def open_inputs(options: ScoreOptions) -> Inputs:

@@ -546,7 +546,13 @@ def _table_not_in_the_database(tmp: Path) -> tuple[list, list[str]]:
 
 def _table_of_a_missing_database(tmp: Path) -> tuple[list, list[str]]:
     _good_queries(tmp)
-    return ["queries.jsonl", "--index", "typo", "--table", "vectors"], ["--index typo is not a folder", "table 'vectors'"]
+    return ["queries.jsonl", "--index", "typo", "--table", "vectors"], ["--index typo does not exist", "the LanceDB database that holds table 'vectors'"]
+
+
+def _database_without_table(tmp: Path) -> tuple[list, list[str]]:
+    _good_queries(tmp)
+    (tmp / "db" / "vectors.lance").mkdir(parents=True)
+    return ["queries.jsonl", "--index", "db"], ["--index db is a LanceDB database (tables: vectors); pass --table NAME"]
 
 
 def _qrels_with_relevance(tmp: Path, relevance: str) -> list:
@@ -569,7 +575,8 @@ def _qrels_relevance_infinite(tmp: Path) -> tuple[list, list[str]]:
 BAD_INPUTS = [_duplicate_query_ids, _duplicate_doc_ids, _no_queries, _no_documents, _top_k_zero, _existing_out,
               _whitespace_id_in_trec, _no_docs_and_no_index, _qrels_for_unknown_queries, _reranker_is_not_a_cross_encoder,
               _rerank_depth_below_top_k, _qrels_relevance_a_fraction, _qrels_relevance_infinite, _table_without_index,
-              _table_without_index_or_docs, _table_of_a_parquet_index, _table_not_in_the_database, _table_of_a_missing_database]
+              _table_without_index_or_docs, _table_of_a_parquet_index, _table_not_in_the_database, _table_of_a_missing_database,
+              _database_without_table]
 
 
 @pytest.fixture(scope="module")

@@ -274,6 +274,19 @@ def test_unknown_output_name(tmp_path):
         open_store(str(tmp_path / "vectors.csv"), schema())
 
 
+@pytest.mark.parametrize("out", ["db", "db/"])
+def test_a_lancedb_database_is_not_taken_for_a_folder_of_parquet_parts(tmp_path, out):
+    store = open_store(str(tmp_path / "db"), schema(), table="docs")
+    store.write(batch(["a"]))
+    store.finish({"a": "k-a"}, prune=False)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for refused in (lambda: writers.check_output(f"{tmp_path}/{out}"), lambda: open_store(f"{tmp_path}/{out}", schema())):
+        with pytest.raises(UserError, match=r"db/? is a LanceDB database \(tables: docs\), not a folder for Parquet parts; "
+                                            "pass --table NAME"):
+            refused()
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 def test_commit_rows_must_be_positive(tmp_path):
     with pytest.raises(UserError, match="--commit-rows 0: give a positive number"):
         open_store(str(tmp_path / "vectors.lance"), schema(), commit_rows=0)

@@ -165,9 +165,10 @@ class IndexModel:
         """on_gpu: whether load_engine will put the model on a GPU (asked before it loads)."""
         self.spec = spec
         self._load_engine = load_engine
-        self.on_gpu = on_gpu
+        self._ask_gpu = on_gpu
+        self._gpu: bool | None = None
         self.engine: Engine | None = None
-        self.load_seconds = 0.0
+        self.load_seconds = 0.0  # finding the device and loading the engine
 
     @classmethod
     def loaded(cls, engine: Engine) -> IndexModel:
@@ -180,11 +181,20 @@ class IndexModel:
     def tokenizer(self) -> TextTokenizer:
         return TextTokenizer(self.spec.files.tokenizer_file, self.spec.max_length)
 
+    def on_gpu(self) -> bool:
+        """Whether the engine runs on a GPU, known before it loads. Finding out imports torch (a second
+        or more), which is part of loading the model, not of embedding."""
+        if self._gpu is None:
+            started = time.perf_counter()
+            self._gpu = self._ask_gpu()
+            self.load_seconds += time.perf_counter() - started
+        return self._gpu
+
     def load(self) -> Engine:
         if self.engine is None:
             started = time.perf_counter()
             self.engine = self._load_engine(self.spec)
-            self.load_seconds = time.perf_counter() - started
+            self.load_seconds += time.perf_counter() - started
         return self.engine
 
 

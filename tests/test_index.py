@@ -10,6 +10,7 @@ are in test_incremental.py.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -137,6 +138,20 @@ def test_duplicates_skipped_on_request_keep_the_first(tmp_path: Path, engine: En
     np.testing.assert_allclose(table.column("vector")[0].values.to_numpy(), reference.embed(["first"])[0],
                                atol=1e-5)
     assert report.skipped_duplicate == 1
+
+
+def test_finding_the_device_counts_as_loading_not_embedding(tmp_path: Path, engine: Engine,
+                                                           corpus: tuple[Path, list[dict]]) -> None:
+    # The CLI's probe imports torch, a second or more, before the engine loads: that is loading time.
+    source, _ = corpus
+
+    def slow_probe() -> bool:
+        time.sleep(0.5)
+        return False
+
+    model = IndexModel(engine.spec, lambda spec: engine, slow_probe)
+    report = run_index(model, IndexOptions(source=str(source / "a.parquet"), out=f"{tmp_path}/x.parquet"))
+    assert report.rows_written > 0 and report.load_seconds >= 0.5
 
 
 def test_progress_counts_up_to_the_known_total(tmp_path: Path, engine: Engine,

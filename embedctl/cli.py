@@ -60,8 +60,22 @@ class RunFormat(str, Enum):
     trec = "trec"
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"embedctl {version('embedctl')}")
+        except PackageNotFoundError:  # a checkout run in place, not installed
+            typer.echo("embedctl (not installed: run from a checkout)")
+        raise typer.Exit()
+
+
 @app.callback()
-def _commands() -> None:
+def _commands(
+    _version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                           help="Print the version and exit.")] = False,
+) -> None:
     """Fast text embeddings: index corpora into vector tables, rank documents for queries."""
 
 

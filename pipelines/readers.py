@@ -289,7 +289,7 @@ class CorpusReader:
             return _id_text(value)
         except _BadId as bad:
             raise UserError(f"{f.shown} line {number}: {self.id_col} is {bad}, which names no row; "
-                            f"{_JSONL_ID_FIX}") from None
+                            "store ids as strings or finite numbers, or pass --id-col naming the id key") from None
 
     def _jsonl_kept(self, f: _File, rows: list[dict], lines: list[int]) -> pa.Table | None:
         """The kept keys as a table whose schema the first chunk fixes for all later ones.

@@ -336,6 +336,16 @@ def test_help_exits_zero(tmp_path: Path, command: str, option: str) -> None:
     assert f"Usage: embedctl {command}" in result.stdout and option in result.stdout
 
 
+def test_version_as_the_script_and_as_python_m_embedctl(tmp_path: Path) -> None:
+    from importlib.metadata import version
+
+    script = run_cli("--version", cwd=tmp_path)
+    module = subprocess.run([sys.executable, "-m", "embedctl", "--version"], cwd=tmp_path, env=ENV,
+                            capture_output=True, text=True, timeout=60)
+    for result in (script, module):
+        assert result.returncode == 0 and result.stdout == f"embedctl {version('embedctl')}\n", result.stderr
+
+
 # The happy path: sample_data/corpus (a Parquet and a JSONL shard) plus a shard of empty texts.
 
 EMPTY_SHARD = [{"id": "e1", "text": "", "source": "x"}, {"id": "e2", "text": None, "source": "x"},

@@ -355,10 +355,10 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
 
 
 def _parquet_ids(ids: pa.Array) -> list[str]:
-    """An id column as text: numbers by _id_text, as in JSONL; strings, binary and dates by Arrow's cast."""
+    """An id column as text: numbers by _id_text, as in JSONL; strings, binary, dates and integers by
+    Arrow's cast, which writes integers as _id_text does without a Python call per row."""
     kind = ids.type
-    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind)
-            or pa.types.is_boolean(kind)):
+    if not (pa.types.is_floating(kind) or pa.types.is_decimal(kind) or pa.types.is_boolean(kind)):
         return ids.cast(pa.string()).to_pylist()
     if pa.types.is_float32(kind):
         # As a double, float32 0.1 is 0.10000000149011612; its own shortest text, 0.1, is what an export writes.

@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import torch
@@ -170,7 +169,7 @@ class StoredVectors:
                       "a table written by `embedctl index` (x.lance, x.parquet, a directory of parts, or a database "
                       "with --table)")
             raise UserError(f"--index {path} does not exist; give {wanted}")
-        if table is None and not path.rstrip("/").endswith(".lance") and (tables := _database_tables(path)):
+        if table is None and not path.rstrip("/").endswith(".lance") and (tables := database_tables(path)):
             raise UserError(f"--index {path} is a LanceDB database (tables: {', '.join(tables)}); pass --table NAME")
         try:
             if table is not None or path.rstrip("/").endswith(".lance"):
@@ -242,15 +241,6 @@ class StoredVectors:
                 if doc_id in wanted:
                     found[doc_id] = text
         return found
-
-
-def _database_tables(path: str) -> list[str]:
-    """The LanceDB tables in folder path; none where it is no folder or cannot be listed."""
-    try:
-        fs, local = fsspec.core.url_to_fs(path)
-    except (ValueError, ImportError, OSError):
-        return []
-    return database_tables(fs, local)
 
 
 def open_inputs(options: ScoreOptions) -> Inputs:

@@ -132,17 +132,19 @@ def _locate(out: str) -> tuple[fsspec.AbstractFileSystem, str, bool]:
             f"cannot tell what kind of output {out} is; name it *.lance for a LanceDB table, *.parquet for one "
             "Parquet file, or end it with / for a directory of Parquet files (or pass --table for a LanceDB database)"
         )
-    if is_dir and (tables := database_tables(fs, path)):
+    if is_dir and (tables := database_tables(out)):
         raise UserError(f"{out} is a LanceDB database (tables: {', '.join(tables)}), not a folder for Parquet parts; "
                         "pass --table NAME to write a table in it, or give another folder")
     return fs, path, is_dir
 
 
-def database_tables(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
-    """The LanceDB tables in folder path (its NAME.lance folders), sorted; none if it holds none."""
+def database_tables(folder: str) -> list[str]:
+    """The LanceDB tables in folder, a local path or fsspec URL (its NAME.lance folders), sorted; none where
+    it holds none, is no folder or cannot be listed."""
     try:
+        fs, path = fsspec.core.url_to_fs(folder)
         found = fs.glob(posixpath.join(path.rstrip("/"), "*.lance"))
-    except OSError:
+    except (ValueError, ImportError, OSError):
         return []
     return sorted(posixpath.basename(p).removesuffix(".lance") for p in found if fs.isdir(p))
 

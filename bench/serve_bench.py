@@ -47,17 +47,16 @@ def main() -> None:
                      "engine_model_only_tokens_per_s": engine_tokens_per_second(args.minilm, corpus),
                      "servers": {}}
     servers = {"embedctl": ours_command(args.minilm)}
-    if args.also_in_process:
-        servers["embedctl --tokenizer-processes 0"] = [*ours_command(args.minilm), "--tokenizer-processes", "0"]
-    if args.also_lanes is not None:
-        servers[f"embedctl --lanes {args.also_lanes}"] = [*ours_command(args.minilm), "--lanes", str(args.also_lanes)]
+    for flags in args.also:
+        servers[f"embedctl {flags}"] = [*ours_command(args.minilm), *flags.split()]
     if args.peers:
         servers["sentence-transformers"] = [sys.executable, "-m", "bench.serve_bench", "--minilm", str(args.minilm),
                                             "--peer-port", "{port}"]
     for name, command in servers.items():
-        with Served(command) as url:
-            print(f"== {name} at {url}", flush=True)
-            results["servers"][name] = run_suites(args, url, queries, documents, corpus)
+        with Served(command) as served:
+            print(f"== {name} at {served.url}, ready after {served.ready_seconds:.1f} s", flush=True)
+            results["servers"][name] = {"ready_seconds": served.ready_seconds,
+                                        **run_suites(args, served.url, queries, documents, corpus)}
         (args.out / "results.json").write_text(json.dumps(results, indent=2))
     report = render(results)
     (args.out / "report.md").write_text(report)
@@ -74,10 +73,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench-out/serve_bench"), help="directory for results.json and report.md")
     parser.add_argument("--smoke", action="store_true", help="tiny counts (10-document batches) on any device: checks the script")
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="measure embedctl only")
-    parser.add_argument("--also-in-process", action="store_true",
-                        help="also measure embedctl with --tokenizer-processes 0 (no tokenizer worker processes)")
-    parser.add_argument("--also-lanes", type=int, default=None,
-                        help="also measure embedctl with --lanes N (serve's default is one lane)")
+    parser.add_argument("--also", action="append", default=[], metavar="FLAGS",
+                        help="also measure embedctl serve with these extra flags, e.g. --also='--warmup' (repeatable)")
     parser.add_argument("--peer-port", type=int, default=None, help=argparse.SUPPRESS)  # run as the peer server
     args = parser.parse_args()
     if args.minilm is None:
@@ -143,7 +140,7 @@ def ours_command(model: Path) -> list[str]:
 
 
 class Served:
-    """A server subprocess on a free loopback port; the URL once /health answers 200."""
+    """A server subprocess on a free loopback port, entered once /health answers 200 (its url, ready_seconds)."""
 
     def __init__(self, command: list[str]) -> None:
         with socket.socket() as sock:
@@ -151,16 +148,18 @@ class Served:
             self.port = sock.getsockname()[1]
         self.command = [part.replace("{port}", str(self.port)) for part in command]
 
-    def __enter__(self) -> str:
+    def __enter__(self) -> Served:
+        started = time.monotonic()
         self.process = subprocess.Popen(self.command, cwd=REPO)
-        url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 900  # torch.compile and model load on a cold machine
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = started + 900  # torch.compile and model load on a cold machine
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.command} exited with {self.process.returncode}")
             try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    return url
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    self.ready_seconds = time.monotonic() - started
+                    return self
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
@@ -182,7 +181,7 @@ def run_suites(args: argparse.Namespace, url: str, query: str, document: str, co
             point = measure(url, [[body]] * clients, requests, warmup=2 if args.smoke else 20)
             out["concurrency"].append({"kind": kind, "clients": clients, **point})
             print(f"  {kind:7} {clients:2} clients: p50 {point['p50_ms']:.2f} ms, p99 {point['p99_ms']:.2f} ms, "
-                  f"{point['requests_per_s']:.0f} req/s, {point['errors']} errors", flush=True)
+                  f"{point['requests_per_s']:.0f} req/s, {point['errors']} errors, graph captures / eager runs {stalls(point)}", flush=True)
     size = args.batch_docs
     bodies = []
     for process in range(BATCH_PROCESSES):
@@ -206,15 +205,30 @@ def measure(url: str, bodies: list[list[bytes]], requests: int, warmup: int) -> 
         worker.start()
     barrier.wait()
     started = time.perf_counter()
+    before = graph_counts(url)
     outcomes = [results.get() for _ in workers]
     wall = time.perf_counter() - started
+    after = graph_counts(url)
     for worker in workers:
         worker.join()
     latencies = np.concatenate([o["latencies"] for o in outcomes]) * 1e3
     tokens = sum(o["tokens"] for o in outcomes)
     return {"p50_ms": float(np.percentile(latencies, 50)), "p99_ms": float(np.percentile(latencies, 99)),
             "requests_per_s": len(latencies) / wall, "tokens_per_s": tokens / wall,
-            "errors": sum(o["errors"] for o in outcomes), "requests": len(latencies)}
+            "errors": sum(o["errors"] for o in outcomes), "requests": len(latencies),
+            **{name: after[name] - before[name] for name in after}}
+
+
+def graph_counts(url: str) -> dict[str, int]:
+    """The server's graph captures and eager runs so far, from /metrics (the peer has none): either stalls the
+    requests in flight."""
+    counts = {}
+    reply = httpx.get(url + "/metrics", timeout=30)
+    for line in reply.text.splitlines() if reply.status_code == 200 else []:
+        for name in ("graph_captures", "eager_runs"):
+            if line.startswith(f"embedctl_{name}_total "):
+                counts[name] = int(float(line.split()[1]))
+    return counts
 
 
 def client(url: str, bodies: list[bytes], requests: int, warmup: int, barrier, results) -> None:
@@ -267,23 +281,33 @@ def run_peer(model: Path, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
+def stalls(point: dict) -> str:
+    if "graph_captures" not in point:
+        return "n/a"
+    return f"{point['graph_captures']} / {point['eager_runs']}"
+
+
 def render(results: dict) -> str:
     engine = results["engine_model_only_tokens_per_s"]
     lines = [f"`embedctl serve` vs sentence-transformers behind FastAPI on {results['device']} "
              f"({Path(results['model']).name}{', smoke' if results['smoke'] else ''})", "",
-             "| requests | clients | server | p50 ms | p99 ms | req/s | tokens/s | errors |", "|---|---|---|---|---|---|---|---|"]
+             "| requests | clients | server | p50 ms | p99 ms | req/s | tokens/s | errors | graph captures / eager runs while timed |",
+             "|---|---|---|---|---|---|---|---|---|"]
     names = list(results["servers"])
     points = {(name, p["kind"], p["clients"]): p for name in names for p in results["servers"][name]["concurrency"]}
     for kind, clients in dict.fromkeys((k, c) for _, k, c in points):
         for name in names:
             if (p := points.get((name, kind, clients))) is not None:
                 lines.append(f"| {kind} | {clients} | {name} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} | "
-                             f"{p['requests_per_s']:,.0f} | {p['tokens_per_s']:,.0f} | {p['errors']} |")
+                             f"{p['requests_per_s']:,.0f} | {p['tokens_per_s']:,.0f} | {p['errors']} | "
+                             f"{stalls(p)} |")
     lines += ["", f"{BATCH_PROCESSES} processes x requests of {results['batch_docs']} documents; the engine alone: {engine:,.0f} tokens/s", "",
               "| server | tokens/s | share of the engine alone | p50 ms per request | errors |", "|---|---|---|---|---|"]
     for name in names:
         b = results["servers"][name]["batch"]
         lines.append(f"| {name} | {b['tokens_per_s']:,.0f} | {b['tokens_per_s'] / engine:.0%} | {b['p50_ms']:.1f} | {b['errors']} |")
+    lines += ["", "Seconds from start to a healthy server: "
+              + ", ".join(f"{name} {results['servers'][name]['ready_seconds']:.1f}" for name in names)]
     return "\n".join(lines) + "\n"
 
 

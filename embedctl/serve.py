@@ -1,12 +1,15 @@
 """`embedctl serve`: the engine behind HTTP, on uvicorn, with FastAPI for everything but the hot path.
 
-    POST /v1/embeddings  OpenAI-compatible (texts or token ids; float or base64; dimensions; usage)
+    POST /v1/embeddings  OpenAI-compatible (texts or token ids; float or base64; dimensions; usage);
+                         POST /embeddings too, OpenAI's path without /v1 that some clients and proxies call
     POST /embed          text-embeddings-inference-compatible (inputs, normalize, truncate, prompt_name, dimensions)
     POST /rerank         query + texts (TEI reply) or documents (Cohere-style reply), sorted by score
-    POST /               the model's own task, as TEI routes it: /rerank for a cross-encoder, else /embed
+    POST / /invocations  the model's own task, as TEI routes it: /rerank for a cross-encoder, else /embed
+                         (/invocations is SageMaker's path for it)
     POST /tokenize /decode   TEI's: the tokens of texts, the texts of token ids
     GET  /info           TEI's description of the model and the server's limits
-    GET  /health /metrics /v1/models /v1/models/{id} /docs
+    GET  /health /ping   200 once warmed up, else 503 in TEI's error shape (/ping is SageMaker's health check)
+    GET  /metrics /v1/models /v1/models/{id} /docs
 
 The app uvicorn runs is _Front, a plain ASGI callable: it checks the API key and the body size,
 records the metrics, and serves the POST endpoints itself, from the raw body (validated by the
@@ -59,7 +62,7 @@ import numpy as np
 import orjson
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -93,11 +96,14 @@ TOKENIZER_THREADS = min(8, os.cpu_count() or 1)
 # Requests with at least this many texts are tokenized in the worker processes, when there are any: a
 # few texts cost less than the trip through the pipe.
 WORKER_TEXTS = 16
-OPEN_PATHS = ("/health",)
+HEALTH_PATHS = ("/health", "/ping")  # /ping: SageMaker's health check, which TEI answers too
+OPEN_PATHS = HEALTH_PATHS  # health checks (load balancers, SageMaker) send no key
+EMBEDDINGS_PATHS = ("/v1/embeddings", "/embeddings")  # OpenAI's, and the same without /v1, as TEI serves it
+TASK_PATHS = ("/", "/invocations")  # the model's own task, as TEI routes it; /invocations is SageMaker's
 # Routes of TEI's API, which answer errors in its shape and with its statuses; the others answer in OpenAI's.
-TEI_PATHS = frozenset({"/", "/embed", "/rerank", "/tokenize", "/decode", "/info"})
-ENDPOINTS = ("/v1/embeddings", "/embed", "/rerank", "/", "/tokenize", "/decode", "/info", "/health", "/metrics",
-             "/v1/models", "/docs", "/openapi.json")
+TEI_PATHS = frozenset({*TASK_PATHS, *HEALTH_PATHS, "/embed", "/rerank", "/tokenize", "/decode", "/info"})
+ENDPOINTS = (*EMBEDDINGS_PATHS, "/embed", "/rerank", *TASK_PATHS, "/tokenize", "/decode", "/info", *HEALTH_PATHS,
+             "/metrics", "/v1/models", "/docs", "/openapi.json")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = tuple(float(1 << n) for n in range(4, 17))  # 16 ... 65,536 tokens per engine batch
 OPENAI_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
@@ -124,6 +130,7 @@ REFUSALS = {
     500: "The server failed on the request (on /v1/embeddings, the engine too)",
     503: "The server is shutting down; retry after Retry-After",
 }
+NOT_READY = "Not ready: the model is warming up (retry after Retry-After), or its warm-up failed (see the server log)"
 CLIENT_GONE = 499  # the metrics' status for a request whose client disconnected before sending its body
 JSON_HEADER = (b"content-type", b"application/json")
 BODY_PROBLEMS = ("missing", "model_type", "model_attributes_type", "dict_type")  # the body is no JSON object
@@ -331,6 +338,12 @@ class Info(BaseModel):
     version: str
 
 
+class Health(BaseModel):
+    """GET /health's and /ping's reply once the model is warmed up."""
+
+    status: Literal["ok"] = "ok"
+
+
 class TeiError(BaseModel):
     """TEI's error shape, which its routes answer."""
 
@@ -401,10 +414,12 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     tokenizer_errors = _error_responses(TeiError, 400, 401, 413, 415, 422, 500)
 
     # _Front serves the POST endpoints; FastAPI only describes them in /docs and answers 405 to other methods.
-    @app.post("/v1/embeddings", response_model=EmbeddingsResponse,
-              responses=_error_responses(OpenAIError, 400, 401, 413, 415, 429, 500, 503))
     async def embeddings(body: EmbeddingsRequest) -> None:
         """OpenAI-compatible embeddings. Over-long inputs are truncated to the model's max length."""
+
+    for path in EMBEDDINGS_PATHS:
+        app.add_api_route(path, embeddings, methods=["POST"], response_model=EmbeddingsResponse,
+                          responses=_error_responses(OpenAIError, 400, 401, 413, 415, 429, 500, 503))
 
     @app.post("/embed", response_model=EMBED_REPLY, responses=inference_errors)
     async def embed(body: EmbedRequest) -> None:
@@ -414,11 +429,13 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     async def rerank(body: RerankRequest) -> None:
         """Documents sorted by relevance to the query, best first (ties in input order)."""
 
-    # As TEI routes it: POST / is the model's own task, ranking for a cross-encoder, else vectors.
+    # As TEI routes it: POST / (and SageMaker's /invocations) is the model's own task, ranking for a
+    # cross-encoder, else vectors.
     main_task = "/rerank" if engine.num_labels else "/embed"
     stub, reply = {"/embed": (embed, EMBED_REPLY), "/rerank": (rerank, RERANK_REPLY)}[main_task]
-    app.add_api_route("/", stub, methods=["POST"], response_model=reply, responses=inference_errors,
-                      summary=f"The model's own task: POST {main_task}")
+    for path in TASK_PATHS:
+        app.add_api_route(path, stub, methods=["POST"], response_model=reply, responses=inference_errors,
+                          summary=f"The model's own task: POST {main_task}")
 
     @app.post("/tokenize", response_model=list[list[Token]], responses=tokenizer_errors)
     async def tokenize(body: TokenizeRequest) -> None:
@@ -433,18 +450,19 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
         """TEI's description of the model and of this server's limits."""
         return service.info()
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        """200 once the model is warmed up; 503 before."""
+    async def health() -> Health:
+        """200 once the model is warmed up; 503 before, or when the warm-up failed, in TEI's error shape."""
         if service.warm_error is not None:
-            return JSONResponse({"status": "failed", "error": service.warm_error}, status_code=503)
+            raise ApiError(503, f"the warm-up failed: {service.warm_error}")
         if not service.ready:
-            return JSONResponse({"status": "warming up"}, status_code=503, headers=RETRY_AFTER)
-        return JSONResponse({"status": "ok"})
+            raise ApiError(503, f"the model is warming up; retry after {RETRY_AFTER_SECONDS} s", headers=RETRY_AFTER)
+        return Health()
 
-    @app.head("/health", include_in_schema=False)  # load balancers and uptime checks often probe with HEAD
-    async def health_head() -> JSONResponse:
-        return await health()
+    for path in HEALTH_PATHS:
+        app.add_api_route(path, health, methods=["GET"], response_model=Health,
+                          responses={**_error_responses(TeiError), 503: {"model": TeiError, "description": NOT_READY}})
+        # load balancers and uptime checks often probe with HEAD
+        app.add_api_route(path, health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics", responses=_error_responses(OpenAIError, 401))
     async def metrics() -> Response:
@@ -465,10 +483,11 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
             raise ApiError(404, f"no model {model!r} here; this server serves {service.name!r} (see GET /v1/models)")
         return described()
 
-    routes = {"/v1/embeddings": (EmbeddingsRequest, service.embeddings), "/embed": (EmbedRequest, service.embed),
-              "/rerank": (RerankRequest, service.rerank), "/tokenize": (TokenizeRequest, service.tokens),
-              "/decode": (DecodeRequest, service.decode)}
-    routes["/"] = routes[main_task]
+    routes: dict[str, tuple[type[BaseModel], Handler]] = {
+        "/embed": (EmbedRequest, service.embed), "/rerank": (RerankRequest, service.rerank),
+        "/tokenize": (TokenizeRequest, service.tokens), "/decode": (DecodeRequest, service.decode)}
+    routes |= dict.fromkeys(TASK_PATHS, routes[main_task])
+    routes |= dict.fromkeys(EMBEDDINGS_PATHS, (EmbeddingsRequest, service.embeddings))
     return _Front(app, routes, api_key, limits.max_request_bytes, service.metrics)
 
 

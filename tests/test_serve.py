@@ -10,6 +10,7 @@ same app under uvicorn in a thread. Nothing here mocks the server, the engine or
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import json
 import os
@@ -23,6 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import huggingface_hub
@@ -53,7 +55,7 @@ RSS_GROWTH_LIMIT = 24 << 20
 # of many sizes grows its heap for about a minute before levelling off (measured on MiniLM: 450 -> 510
 # MiB over 60 s, then flat). A fixed threshold removes that warm-up, so 30 s can tell a leak from it.
 SERVER_ENV = {**ENV, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
-TEI_ROUTES = {"/", "/embed", "/rerank", "/tokenize", "/decode", "/info"}
+TEI_ROUTES = {"/", "/invocations", "/embed", "/rerank", "/tokenize", "/decode", "/info", "/health", "/ping"}
 
 
 def free_port() -> int:
@@ -240,6 +242,23 @@ def test_hugging_face_client_at_the_root_gets_embed_vectors_and_reads_errors(ser
     assert refused.value.server_message == "inputs[0] is blank; send text with at least one non-space character"
 
 
+def test_sagemaker_invocations_and_openai_embeddings_without_v1_answer_as_their_routes(
+        server: Server, client: httpx.Client, texts, indexed, minilm_dir: Path) -> None:
+    vectors, n_tokens = indexed
+    # SageMaker posts the model's task to /invocations, as TEI serves it: /embed for an embedding model
+    invoked = client.post("/invocations", json={"inputs": texts[:4], "normalize": False})
+    assert invoked.status_code == 200, invoked.text
+    assert invoked.json() == client.post("/embed", json={"inputs": texts[:4], "normalize": False}).json()
+    np.testing.assert_allclose(unit(np.array(invoked.json())), vectors[:4], atol=1e-5)
+    # OpenAI's client given the server's root as its base URL posts to /embeddings
+    api = openai.OpenAI(base_url=server.url, api_key=KEY)
+    reply = api.embeddings.create(model=str(minilm_dir), input=texts[:4], encoding_format="float")
+    np.testing.assert_allclose(np.array([item.embedding for item in reply.data]), vectors[:4], atol=1e-5)
+    assert reply.usage.prompt_tokens == n_tokens[:4].sum() and reply.model == str(minilm_dir)
+    with pytest.raises(openai.BadRequestError, match="input\\[1\\] is blank"):  # OpenAI's error shape, as on /v1
+        api.embeddings.create(model=str(minilm_dir), input=["fine", "  "])
+
+
 def test_info_describes_the_model_and_the_server_limits(client: httpx.Client, minilm_dir: Path) -> None:
     assert client.get("/info").json() == {
         "model_id": str(minilm_dir), "model_sha": None, "model_dtype": "float32", "served_model_name": str(minilm_dir),
@@ -282,8 +301,9 @@ def test_decode_gives_the_text_of_token_ids(client: httpx.Client) -> None:
 
 
 def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, minilm_dir: Path) -> None:
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # no key needed
-    assert httpx.head(server.url + "/health").status_code == 200
+    for path in ("/health", "/ping"):  # /ping: SageMaker's health check; neither needs a key
+        assert httpx.get(server.url + path).json() == {"status": "ok"}
+        assert httpx.head(server.url + path).status_code == 200
     assert [model["id"] for model in client.get("/v1/models").json()["data"]] == [str(minilm_dir)]
     text = client.get("/metrics").text
     for family in ("embedctl_requests_total", "embedctl_request_duration_seconds_bucket", "embedctl_queue_depth",
@@ -292,11 +312,19 @@ def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, mi
     assert re.search(r'embedctl_requests_total\{endpoint="/v1/models",status="200"\} [1-9]', text)
     schema = client.get("/openapi.json").json()
     paths = schema["paths"]
-    assert {"/v1/embeddings", "/embed", "/rerank", "/", "/tokenize", "/decode", "/info", "/health", "/metrics",
-            "/v1/models"} <= set(paths)
-    for path in ("/v1/embeddings", "/embed", "/rerank", "/", "/tokenize", "/decode"):  # served outside FastAPI
-        assert "requestBody" in paths[path]["post"]
-    assert paths["/"]["post"]["requestBody"] == paths["/embed"]["post"]["requestBody"]
+    assert {"/v1/embeddings", "/embeddings", "/embed", "/rerank", "/", "/invocations", "/tokenize", "/decode", "/info",
+            "/health", "/ping", "/metrics", "/v1/models"} <= set(paths)
+    for path in ("/v1/embeddings", "/embeddings", "/embed", "/rerank", "/", "/invocations", "/tokenize", "/decode"):
+        assert "requestBody" in paths[path]["post"]  # served outside FastAPI, described by it
+
+    def described(path: str) -> tuple[dict, dict]:
+        """A POST route's request body and responses, less the reply's title, which FastAPI names after the path."""
+        operation = copy.deepcopy(paths[path]["post"])
+        operation["responses"]["200"]["content"]["application/json"]["schema"].pop("title", None)
+        return operation["requestBody"], operation["responses"]
+
+    assert described("/") == described("/invocations") == described("/embed")
+    assert described("/embeddings") == described("/v1/embeddings")
     assert client.get("/docs").status_code == 200
 
     def error_shape(path: str, method: str, status: str) -> str:
@@ -304,10 +332,16 @@ def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, mi
 
     # Each route documents its refusals in the shape it answers them, and no FastAPI 422 it never answers.
     tei_refusals = {"/embed": "400 413 415 422 424 429 503", "/rerank": "400 413 415 422 424 429 503",
-                    "/": "400 413 415 422 424 429 503", "/tokenize": "400 413 415 422", "/decode": "400 413 415 422"}
+                    "/": "400 413 415 422 424 429 503", "/invocations": "400 413 415 422 424 429 503",
+                    "/tokenize": "400 413 415 422", "/decode": "400 413 415 422"}
     for path, statuses in tei_refusals.items():
         assert {error_shape(path, "post", status) for status in statuses.split()} == {"TeiError"}
     assert error_shape("/info", "get", "401") == "TeiError"
+    for path in ("/health", "/ping"):
+        responses = paths[path]["get"]["responses"]
+        assert error_shape(path, "get", "503") == "TeiError" and "warming up" in responses["503"]["description"]
+        assert responses["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/Health")
+        assert "401" not in responses  # no key needed
     assert {error_shape("/v1/embeddings", "post", status) for status in "400 401 413 415 429 500 503".split()} == {
         "OpenAIError"}
     assert "422" not in paths["/v1/embeddings"]["post"]["responses"]
@@ -372,6 +406,15 @@ ERRORS = [
      "exactly one"),
     ("blank query", "/rerank", {"query": " ", "texts": ["a"]}, KEY, 400, "Empty", "query is blank"),
     ("blank text to the root", "/", {"inputs": " "}, KEY, 400, "Empty", "inputs[0] is blank"),
+    ("blank text to /invocations", "/invocations", {"inputs": " "}, KEY, 400, "Empty", "inputs[0] is blank"),
+    ("no key on /invocations", "/invocations", {"inputs": "x"}, None, 401, "Validation", "Authorization: Bearer"),
+    ("rerank body to /invocations", "/invocations", {"query": "q", "texts": ["a"]}, KEY, 422, "Validation",
+     "query: is not a field"),
+    ("no key on /embeddings", "/embeddings", {"input": "x"}, None, 401, "authentication_error",
+     "Authorization: Bearer"),
+    ("too many dimensions on /embeddings", "/embeddings", {"input": "x", "dimensions": 385}, KEY, 400,
+     "invalid_request_error", "at most 384"),
+    ("wrong method for /ping", "/ping", {}, KEY, 405, "Validation", "does not take that method"),
     # an embedding model's POST / is /embed, which has no query
     ("rerank body to the root", "/", {"query": "q", "texts": ["a"]}, KEY, 422, "Validation", "query: is not a field"),
     ("no such endpoint", "/v2/embeddings", {"input": "x"}, KEY, 404, "not_found_error", "no such endpoint"),
@@ -386,9 +429,10 @@ ERRORS = [
 def test_a_body_declared_as_not_json_gets_415_and_one_declared_as_nothing_is_read_as_json(server: Server, texts, indexed) -> None:
     body = json.dumps({"inputs": texts[5]}).encode()
     with server.client() as client:
-        refused = client.post("/embed", content=body, headers={"Content-Type": "text/plain"})
-        assert refused.status_code == 415
-        assert "'Content-Type: application/json'" in refusal(refused)[0]
+        for path in ("/embed", "/invocations", "/embeddings"):
+            refused = client.post(path, content=body, headers={"Content-Type": "text/plain"})
+            assert refused.status_code == 415
+            assert "'Content-Type: application/json'" in refusal(refused)[0]
         for declared in ({}, {"Content-Type": ""}, {"Content-Type": "application/json; charset=utf-8"}):
             reply = client.post("/embed", content=body, headers=declared)
             assert reply.status_code == 200, reply.text
@@ -561,25 +605,56 @@ def serve_cli(model: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @contextmanager
-def serving(app) -> Iterator[str]:
-    """The app under uvicorn on a loopback port, in a thread; yields its URL once healthy."""
+def serving(app, lifespan: Literal["auto", "off"] = "auto") -> Iterator[str]:
+    """The app under uvicorn on a loopback port, in a thread; yields its URL once its warm-up is over
+    (/health no longer answers 503 with Retry-After): healthy, or failed. With lifespan off the app is
+    never started (no scheduler, no warm-up), as a server is before its warm-up; the URL comes once it listens."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan))
     thread = threading.Thread(target=server.run)
     thread.start()
     url = f"http://127.0.0.1:{port}"
+
+    def warming() -> bool:
+        reply = httpx.get(url + "/health")
+        return reply.status_code == 503 and "Retry-After" in reply.headers
+
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
+        while not server.started or (lifespan != "off" and warming()):
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start and warm up in 60 s"
+            time.sleep(0.05)
         yield url
     finally:
         server.should_exit = True
         thread.join()
+
+
+def test_health_and_ping_before_the_warm_up_are_503_unhealthy_with_retry_after(random_bert: Path) -> None:
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+    with serving(create_app(engine, tokenizer, api_key=KEY), lifespan="off") as url:
+        replies = {path: httpx.get(url + path) for path in ("/health", "/ping")}  # no key: health checks send none
+        heads = [httpx.head(url + path) for path in ("/health", "/ping")]
+    for reply in replies.values():
+        assert reply.status_code == 503 and reply.headers["Retry-After"] == "1"
+        assert refusal(reply) == ("the model is warming up; retry after 1 s", "Unhealthy")  # TEI's error shape
+    assert [head.status_code for head in heads] == [503, 503]
+
+
+def test_health_and_ping_after_a_failed_warm_up_are_503_unhealthy_with_the_reason(tmp_path: Path) -> None:
+    """A model with a 1,000-row embedding table fails on any text of words, as the warm-up's: ids of
+    words start past 1,000 in its tokenizer's vocabulary."""
+    path = save_random_model(tmp_path / "tiny-vocabulary", pooling="mean", vocab_size=1000)
+    engine = Engine.load(str(path), EngineConfig(device="cpu", normalize=False))
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+    with serving(create_app(engine, tokenizer, api_key=KEY)) as url:
+        replies = [httpx.get(url + path) for path in ("/health", "/ping")]
+    for reply in replies:
+        message, error_type = refusal(reply)
+        assert reply.status_code == 503 and "Retry-After" not in reply.headers  # retrying will not help
+        assert message.startswith("the warm-up failed: ") and "out of bounds" in message
+        assert error_type == "Unhealthy"
 
 
 def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path) -> None:
@@ -600,13 +675,17 @@ def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path)
     with serving(create_app(engine, tokenizer)) as url:
         hits = httpx.post(url + "/rerank", json={"query": query, "texts": docs}).json()
         root = httpx.post(url + "/", json={"query": query, "texts": docs}).json()  # TEI's POST / ranks for a reranker
+        invoked = httpx.post(url + "/invocations", json={"query": query, "texts": docs}).json()  # so does SageMaker's
+        paths = httpx.get(url + "/openapi.json").json()["paths"]
         cut = httpx.post(url + "/rerank", json={"query": query, "texts": docs, "truncate": False})
         vectors = httpx.post(url + "/embed", json={"inputs": "x"})
         openai_vectors = httpx.post(url + "/v1/embeddings", json={"input": "x"})
         info = httpx.get(url + "/info").json()
     assert [hit["index"] for hit in hits] == order.tolist()
     np.testing.assert_allclose([hit["score"] for hit in hits], expected[order], atol=1e-5)
-    assert root == hits
+    assert root == invoked == hits
+    for path in ("/", "/invocations"):
+        assert paths[path]["post"]["requestBody"] == paths["/rerank"]["post"]["requestBody"]
     assert cut.status_code == 422 and "texts[1] is longer" in refusal(cut)[0]
     assert vectors.status_code == 422 and "cross-encoder" in refusal(vectors)[0]
     assert openai_vectors.status_code == 400 and "cross-encoder" in refusal(openai_vectors)[0]

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     from engine import Engine
     from pipelines.tokenize import TextTokenizer
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+# rich_markup_mode=None: click's plain help. Typer's rich help table squeezes the option-name column
+# until, at 80 columns, long names are cut ("--tokenizer-pr…"); click's keeps every name whole at any width.
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Fast text embeddings: index corpora into vector tables, rank documents for queries.")
 
 EXIT_USER_ERROR = 2
@@ -257,7 +259,7 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).")] = "127.0.0.1",
     model: ModelOpt = None,
     api_key: Annotated[Optional[str], typer.Option(envvar="EMBEDCTL_API_KEY", show_envvar=True,
-                                                   help="Require 'Authorization: Bearer KEY' on everything but /health.")] = None,
+                                                   help="Require 'Authorization: Bearer KEY' on everything but /health and /ping.")] = None,
     max_batch_tokens: BatchTokensOpt = None,
     max_seqs: MaxSeqsOpt = 512,
     # One lane: every extra lane captures its own graph of each shape while requests wait, and under
@@ -430,16 +432,15 @@ def main() -> None:
     try:
         code = app(prog_name="embedctl", standalone_mode=False)  # a command's exit code, None when it returns
     except typer.TyperException as error:  # the base of the click errors in the click that typer bundles
-        if message := _click_error(error):
-            typer.echo(message, err=True)
+        typer.echo(_click_error(error), err=True)
         code = error.exit_code
     sys.exit(code)
 
 
 def _click_error(error: typer.TyperException) -> str:
-    """What to print for a click error: one line, or for bare `embedctl` its help ("" when already printed)."""
+    """What to print for a click error: one line, or for bare `embedctl` its help."""
     if type(error).__name__ == "NoArgsIsHelpError":  # by name, as typer does: the class is private
-        return error.format_message()  # the help, or "" where typer's rich help has printed it already
+        return error.format_message()  # the help text
     message = " ".join(error.format_message().splitlines()).rstrip(".")
     ctx = getattr(error, "ctx", None)  # usage errors know their command
     return f"error: {message}" + (f" (see {ctx.command_path} --help)" if ctx is not None else "")

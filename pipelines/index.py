@@ -46,7 +46,7 @@ import pyarrow as pa
 from engine import ModelSpec, Packer
 from engine.errors import UserError
 from pipelines.lock import hold_lock
-from pipelines.progress import Progress
+from pipelines.progress import Progress, plural
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
@@ -114,9 +114,10 @@ class IndexReport:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def summary(self) -> str:
-        embedded = (f"{self.tokens:,} tokens in {self.seconds:.1f} s ({self.tokens_per_second:,.0f} tokens/s{self._load()})"
+        embedded = (f"{plural(self.tokens, 'token')} in {self.seconds:.1f} s "
+                    f"({self.tokens_per_second:,.0f} tokens/s{self._load()})"
                     if self.tokens else f"nothing to embed ({self.seconds:.1f} s)")
-        return (f"{self.rows_written + self.unchanged:,} rows: {self.added:,} added, {self.updated:,} updated, "
+        return (f"{plural(self.rows_written + self.unchanged, 'row')}: {self.added:,} added, {self.updated:,} updated, "
                 f"{self.unchanged:,} unchanged, {self.deleted:,} deleted; {embedded}; {self.truncated:,} truncated, "
                 f"{self.skipped:,} skipped -> {self.output}")
 
@@ -251,7 +252,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
             doomed = len(store.existing) if options.prune else len(emptied)
             cause = "--prune" if options.prune else "their empty texts"
             raise UserError(f"the source holds no rows with text, so {cause} would delete {doomed:,} of the "
-                            f"{len(store.existing):,} rows of {options.out}; check the source (an empty export?), "
+                            f"{plural(len(store.existing), 'row')} of {options.out}; check the source (an empty export?), "
                             "or remove the output to start it empty")
         report.deleted = store.finish(source, options.prune, emptied)
     except BaseException:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import fsspec
 
 from engine.errors import UserError, short_reason
+from pipelines.progress import plural
 
 CUTOFF = 10
 EXAMPLES = 3  # judged documents missing from the ranked set named in the warning
@@ -43,14 +44,15 @@ class Metrics:
 
     def summary(self) -> str:
         return (f"nDCG@10 {self.ndcg_at_10:.4f}, MRR@10 {self.mrr_at_10:.4f}, Recall@{self.k} {self.recall_at_k:.4f} "
-                f"over {self.queries_scored:,} judged queries ({self.queries_unjudged:,} without relevant documents)")
+                f"over {plural(self.queries_scored, 'judged query', 'judged queries')} "
+                f"({self.queries_unjudged:,} without relevant documents)")
 
     def warning(self) -> str | None:
         """What to tell the user about judged documents missing from the ranked set, if any are."""
         if not self.docs_missing:
             return None
         examples = ", ".join(map(repr, self.docs_missing_examples))
-        return (f"judges {self.docs_missing:,} documents that are not among the documents ranked (e.g. {examples}); "
+        return (f"judges {plural(self.docs_missing, 'document')} not among the documents ranked (e.g. {examples}); "
                 "scored as trec_eval does, the relevant ones as not found; if that is most of them, check the "
                 "documents and --id-col")
 
@@ -78,7 +80,7 @@ def read_qrels(path: str, query_ids: Sequence[str]) -> Qrels:
     known = set(query_ids)
     unknown = [query_id for query_id in qrels if query_id not in known]
     if unknown:
-        raise UserError(f"--qrels {path} judges {len(unknown)} queries that are not in the query set "
+        raise UserError(f"--qrels {path} judges {plural(len(unknown), 'query', 'queries')} not in the query set "
                         f"(first: {unknown[0]!r}); use the qrels of these queries or check --id-col")
     return qrels
 

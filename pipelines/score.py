@@ -23,6 +23,7 @@ import stat
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,10 +32,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from engine import Engine, EngineConfig, ModelSpec
+from engine import Engine, EngineConfig, LazyTensor, ModelSpec
 from engine.batch import Packer
 from engine.errors import UserError, short_reason
-from pipelines.progress import Progress
+from pipelines.progress import Progress, plural
 from pipelines.qrels import CUTOFF, Metrics, Qrels, evaluate, read_qrels
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import CORES, TextTokenizer, resolve_prompt
@@ -115,9 +116,10 @@ class Ranking:
                 "skipped_empty": self.skipped_empty, "reranked_pairs": self.reranked, "seconds": round(self.seconds, 3)}
 
     def summary(self, out: str | None) -> str:
-        reranked = f", {self.reranked:,} pairs reranked" if self.reranked else ""
-        return (f"{len(self.query_ids):,} queries x {self.documents:,} documents, top {self.scores.shape[1]}{reranked} "
-                f"in {self.seconds:.1f} s; {self.skipped_empty:,} empty documents skipped -> {out or 'stdout'}")
+        reranked = f", {plural(self.reranked, 'pair')} reranked" if self.reranked else ""
+        return (f"{plural(len(self.query_ids), 'query', 'queries')} x {plural(self.documents, 'document')}, top "
+                f"{self.scores.shape[1]}{reranked} in {self.seconds:.1f} s; {plural(self.skipped_empty, 'empty document')} "
+                f"skipped -> {out or 'stdout'}")
 
 
 class RunningTopK:
@@ -329,18 +331,21 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
 def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking: Ranking, texts: dict[str, str],
            top_k: int, progress: Progress | None = None) -> Ranking:
     """Rescore every query's hits with a cross-encoder, best first (ties keep the first ranking's order);
-    progress counts queries."""
+    progress counts queries, each once its last pair is scored."""
     started = time.perf_counter()
     doc_ids: list[list[str]] = []
     scores: list[np.ndarray] = []
     pairs = 0
+    total = len(queries.ids)
     if progress is not None:
-        progress(0, 0, len(queries.ids))
-    for start in range(0, len(queries.ids), RERANK_QUERY_BLOCK):
-        block = range(start, min(start + RERANK_QUERY_BLOCK, len(queries.ids)))
+        progress(0, 0, total)
+    for start in range(0, total, RERANK_QUERY_BLOCK):
+        block = range(start, min(start + RERANK_QUERY_BLOCK, total))
         firsts = [queries.texts[q] for q in block for _ in ranking.doc_ids[q]]
         seconds = [texts[doc_id] for q in block for doc_id in ranking.doc_ids[q]]
-        block_scores = pair_scores(reranker, tokenizer, firsts, seconds)
+        scored = (_queries_scored(progress, start, [len(ranking.doc_ids[q]) for q in block], total)
+                  if progress is not None else None)
+        block_scores = pair_scores(reranker, tokenizer, firsts, seconds, scored)
         pairs += len(firsts)
         offset = 0
         for q in block:
@@ -350,31 +355,62 @@ def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking
             order = np.argsort(-mine, kind="stable")[:top_k]
             doc_ids.append([hits[i] for i in order])
             scores.append(mine[order])
-        if progress is not None:
-            progress(block.stop, 0, len(queries.ids))
     return replace(ranking, doc_ids=doc_ids, scores=np.stack(scores),
                    seconds=ranking.seconds + time.perf_counter() - started, reranked=pairs)
 
 
-def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], seconds: list[str]) -> np.ndarray:
+def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], seconds: list[str],
+                scored: Callable[[int], None] | None = None) -> np.ndarray:
     """A cross-encoder's score for each (first, second) pair, float32 [pairs].
 
     For a handful of long pairs, tokenizing costs as much as the model. So the pairs are tokenized
     in groups (pair_groups), each enqueued at once in steps under the token budget, and the
     tokenizer works on the next group while the device runs this one.
+
+    scored, when given, hears how many pairs (from the first) have their scores, each time that grows.
+    For it, the results already ready are taken between steps, in order and without waiting, so every
+    step is still enqueued before the first wait; without it, results are taken only at the end.
     """
     packer = Packer(reranker.max_batch_tokens, reranker.config.max_seqs)
-    pending = []
+    pending: deque[LazyTensor] = deque()
+    scores: list[np.ndarray] = []
+    done = 0
+
+    def take(wait: bool) -> None:
+        nonlocal done
+        while pending and (wait or (scored is not None and pending[0].ready())):
+            scores.append(pending.popleft().result()[:, 0])
+            done += len(scores[-1])
+            if scored is not None:
+                scored(done)
+
     for start, end in pair_groups(len(firsts)):
         encoded = tokenizer.encode_pairs(firsts[start:end], seconds[start:end])
         for ids, types in zip(encoded.ids, encoded.type_ids):
             if (batch := packer.add(ids, None, types)) is not None:
                 pending.append(reranker.step(batch))
+                take(wait=False)
         if (batch := packer.flush()) is not None:
             pending.append(reranker.step(batch))
-    if not pending:
-        return np.zeros(0, dtype=np.float32)
-    return np.concatenate([lazy.result()[:, 0] for lazy in pending])
+            take(wait=False)
+    take(wait=True)
+    return np.concatenate(scores) if scores else np.zeros(0, dtype=np.float32)
+
+
+def _queries_scored(progress: Progress, first: int, hits: list[int], total: int) -> Callable[[int], None]:
+    """A pair_scores callback for the queries from first on, with hits[i] pairs each in order: it tells
+    progress of each query whose pairs have all been scored."""
+    ends = np.cumsum(hits)
+    reported = first
+
+    def scored(pairs: int) -> None:
+        nonlocal reported
+        done = first + int(np.searchsorted(ends, pairs, side="right"))
+        if done > reported:
+            reported = done
+            progress(done, 0, total)
+
+    return scored
 
 
 def pair_groups(pairs: int) -> Iterator[tuple[int, int]]:
@@ -405,7 +441,8 @@ def document_texts(inputs: Inputs, wanted: set[str]) -> dict[str, str]:
                      if doc_id in wanted and not _blank(text))
     missing = wanted - texts.keys()
     if missing:
-        raise UserError(f"{len(missing)} documents of --index {inputs.table.path} are not in {inputs.docs.files[0]}"
+        raise UserError(f"{plural(len(missing), 'document')} of --index {inputs.table.path} "
+                        f"{'is' if len(missing) == 1 else 'are'} not in {inputs.docs.files[0]}"
                         f"{' and the other files' if len(inputs.docs.files) > 1 else ''} (first: {min(missing)!r}); "
                         "pass the DOCS the table was built from")
     return texts

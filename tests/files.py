@@ -30,9 +30,9 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run_cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:
-    """The command line as a user runs it: a subprocess in cwd."""
-    return subprocess.run([sys.executable, "-m", "embedctl.cli", *map(str, args)], cwd=cwd, env=ENV,
+def run_cli(*args: object, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The command line as a user runs it: a subprocess in cwd, with env's variables added to ENV."""
+    return subprocess.run([sys.executable, "-m", "embedctl.cli", *map(str, args)], cwd=cwd, env={**ENV, **(env or {})},
                           capture_output=True, text=True, timeout=300)
 
 

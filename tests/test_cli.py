@@ -12,6 +12,7 @@ import codecs
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,8 +29,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
+from typer.main import get_command
 
 import embedctl
+from embedctl.cli import app
 from engine.checkpoint import resolve_model
 from tests.files import ENV, assert_one_error_line, good_rows, read_only, run_cli, snapshot, write_jsonl
 
@@ -334,6 +337,23 @@ def test_help_exits_zero(tmp_path: Path, command: str, option: str) -> None:
     result = run_cli(command, "--help", cwd=tmp_path)
     assert result.returncode == 0 and result.stderr == ""
     assert f"Usage: embedctl {command}" in result.stdout and option in result.stdout
+
+
+@pytest.mark.parametrize("width", [80, 60])
+@pytest.mark.parametrize("command", [[], ["index"], ["score"], ["serve"]], ids=["embedctl", "index", "score", "serve"])
+def test_help_shows_every_option_name_whole(tmp_path: Path, command: list[str], width: int) -> None:
+    """At a narrow terminal no option name is cut ("--tokenizer-pr…"). click's help lists each option on
+    a line of its own at an indent of two, its names (and metavar) before the first double space."""
+    group = get_command(app)
+    params = (group.commands[command[0]] if command else group).params
+    names = {name for param in params if param.param_type_name == "option" and not param.hidden
+             for name in (*param.opts, *param.secondary_opts)}
+    result = run_cli(*command, "--help", cwd=tmp_path, env={"COLUMNS": str(width)})
+    assert result.returncode == 0, result.stderr
+    rows = [match.group(1) for line in result.stdout.splitlines() if (match := re.match(r"  (-\S.*?)(?:  |$)", line))]
+    shown = {word for row in rows for word in re.split(r"[\s,/]+", row) if word.startswith("-")}
+    assert names and names <= shown, result.stdout
+    assert max(map(len, result.stdout.splitlines())) <= width
 
 
 def test_version_as_the_script_and_as_python_m_embedctl(tmp_path: Path) -> None:

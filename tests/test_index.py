@@ -25,6 +25,7 @@ import embedctl
 from engine import Engine, EngineConfig, UserError
 from pipelines import writers
 from pipelines.index import IndexModel, IndexOptions, IndexReport, lock_output, run_index
+from pipelines.progress import plural
 from pipelines.tokenize import TextTokenizer
 from pipelines.tokenize_pool import TokenizerPool
 from tests.files import child_processes, snapshot, write_jsonl
@@ -138,6 +139,20 @@ def test_duplicates_skipped_on_request_keep_the_first(tmp_path: Path, engine: En
     np.testing.assert_allclose(table.column("vector")[0].values.to_numpy(), reference.embed(["first"])[0],
                                atol=1e-5)
     assert report.skipped_duplicate == 1
+
+
+def test_the_summary_of_one_row_says_row(tmp_path: Path, engine: Engine) -> None:
+    report = index(engine, write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "text": "one"}]), f"{tmp_path}/x.parquet")
+    assert report.tokens > 1
+    assert report.summary().startswith(f"1 row: 1 added, 0 updated, 0 unchanged, 0 deleted; {report.tokens} tokens in ")
+    assert report.summary().endswith(f"; 0 truncated, 0 skipped -> {tmp_path}/x.parquet")
+
+
+@pytest.mark.parametrize(("count", "rows", "queries"), [(0, "0 rows", "0 queries"), (1, "1 row", "1 query"),
+                                                        (2, "2 rows", "2 queries"), (12_345, "12,345 rows", "12,345 queries")])
+def test_plural_agrees_with_the_count(count: int, rows: str, queries: str) -> None:
+    assert plural(count, "row") == rows
+    assert plural(count, "query", "queries") == queries
 
 
 def test_finding_the_device_counts_as_loading_not_embedding(tmp_path: Path, engine: Engine,
@@ -311,8 +326,8 @@ def test_a_store_that_fails_mid_run_stops_every_thread_and_keeps_the_old_output(
 
 @pytest.mark.parametrize("out", OUTPUTS)
 @pytest.mark.parametrize(("rows", "prune", "phrase"), [
-    ([{"id": "blank", "text": "  "}], True, "--prune would delete 1 of the 1 rows of"),
-    ([{"id": "old", "text": None}], False, "their empty texts would delete 1 of the 1 rows of"),
+    ([{"id": "blank", "text": "  "}], True, "--prune would delete 1 of the 1 row of"),
+    ([{"id": "old", "text": None}], False, "their empty texts would delete 1 of the 1 row of"),
 ], ids=["prune", "emptied"])
 def test_a_source_without_text_that_would_delete_rows_is_refused(tmp_path: Path, engine: Engine, out: str,
                                                                  rows: list[dict], prune: bool, phrase: str) -> None:

@@ -28,9 +28,9 @@ import embedctl
 from embedctl.api import Embedder
 from pipelines import score
 from pipelines.qrels import evaluate, read_qrels
-from pipelines.score import (Queries, Ranking, RunningTopK, ScoreOptions, open_inputs, pair_groups, rank, rerank,
-                             run_score, write_run)
-from engine import UserError
+from pipelines.score import (Queries, Ranking, RunningTopK, ScoreOptions, open_inputs, pair_groups, pair_scores, rank,
+                             rerank, run_score, write_run)
+from engine import Engine, LazyTensor, PackedBatch, UserError
 from tests.models import minilm_path, save_random_model
 from pipelines.readers import Chunk
 from tests.files import snapshot, write_jsonl
@@ -249,7 +249,7 @@ def test_qrels_starting_with_a_byte_order_mark_read_as_without(tmp_path: Path, n
 
 
 @pytest.mark.parametrize("text, phrases", [
-    ("q9 0 a 1\n", ["judges 1 queries that are not in the query set", "'q9'"]),
+    ("q9 0 a 1\n", ["judges 1 query not in the query set", "'q9'"]),
     ("q1 0 a\n", ["line 1", "query_id iteration doc_id relevance"]),
     ("q1 0 a high\n", ["line 1", "integer relevance"]),
     ('{"query_id": "q1"}\n', ["line 1", "JSON object"]),
@@ -383,7 +383,88 @@ def test_progress_counts_documents_and_their_tokens_then_reranked_queries(model:
     reranked = []
     texts = {"a": "first document", "b": "the second document", "c": "a third one"}
     rerank(reranker.engine, reranker.tokenizer, queries, ranking, texts, top_k=2, progress=lambda *args: reranked.append(args))
-    assert reranked == [(0, 0, 3), (3, 0, 3)]
+    done = [done for done, _, _ in reranked]
+    assert reranked[0] == (0, 0, 3) and reranked[-1] == (3, 0, 3) and done == sorted(set(done))
+    assert {call[1:] for call in reranked} == {(0, 3)}
+
+
+class ProgressRecorder:
+    """A Progress that keeps every report it is given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int | None]] = []
+
+    def __call__(self, done: int, tokens: int, total: int | None) -> None:
+        self.calls.append((done, tokens, total))
+
+    def advances(self) -> list[int]:
+        done = [done for done, _, _ in self.calls]
+        return [now - before for before, now in zip(done, done[1:])]
+
+
+def test_the_rerank_bar_moves_as_each_query_is_scored(cross_encoder: Path) -> None:
+    """Not once per block of RERANK_QUERY_BLOCK queries: steps of at most two pairs, three pairs a query."""
+    queries = Queries([f"q{i}" for i in range(5)], [f"question number {i}" for i in range(5)])
+    texts = {doc_id: f"document {doc_id}" for doc_id in "abc"}
+    ranking = Ranking(query_ids=queries.ids, doc_ids=[list("abc") for _ in range(5)], scores=np.zeros((5, 3), np.float32),
+                      corpus_ids=list("abc"))
+    reranker = embedctl.load(str(cross_encoder), device="cpu", max_seqs=2)
+    progress = ProgressRecorder()
+    reranked = rerank(reranker.engine, reranker.tokenizer, queries, ranking, texts, top_k=3, progress=progress)
+    assert progress.calls[0] == (0, 0, 5) and {call[1:] for call in progress.calls} == {(0, 5)}
+    assert sum(progress.advances()) == 5 and all(step > 0 for step in progress.advances())
+    assert len(progress.advances()) > 1
+    quiet = rerank(reranker.engine, reranker.tokenizer, queries, ranking, texts, top_k=3)
+    assert reranked.doc_ids == quiet.doc_ids
+    np.testing.assert_array_equal(reranked.scores, quiet.scores)
+
+
+def test_the_summary_counts_one_query_document_and_pair_in_the_singular() -> None:
+    one = Ranking(query_ids=["q1"], doc_ids=[["a"]], scores=np.ones((1, 1), np.float32), corpus_ids=["a"],
+                  skipped_empty=1, reranked=1)
+    assert one.summary(None) == "1 query x 1 document, top 1, 1 pair reranked in 0.0 s; 1 empty document skipped -> stdout"
+    many = Ranking(query_ids=[f"q{i}" for i in range(1200)], doc_ids=[["a"] for _ in range(1200)],
+                   scores=np.ones((1200, 1), np.float32), corpus_ids=["a", "b"], reranked=2400)
+    assert many.summary("run.jsonl") == ("1,200 queries x 2 documents, top 1, 2,400 pairs reranked in 0.0 s; "
+                                         "0 empty documents skipped -> run.jsonl")
+
+
+class UnreadyResult:
+    """A step's result that is never ready before it is waited for; the log records the wait."""
+
+    def __init__(self, lazy: LazyTensor, log: list[str]) -> None:
+        self.lazy, self.log = lazy, log
+
+    def ready(self) -> bool:
+        return False
+
+    def result(self) -> np.ndarray:
+        self.log.append("wait")
+        return self.lazy.result()
+
+
+class UnreadyEngine:
+    """An engine as a slow device would look to pair_scores: every result pending until waited for.
+    The log records steps and waits in the order they happen."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.max_batch_tokens, self.config = engine, engine.max_batch_tokens, engine.config
+        self.log: list[str] = []
+
+    def step(self, batch: PackedBatch) -> UnreadyResult:
+        self.log.append("step")
+        return UnreadyResult(self.engine.step(batch), self.log)
+
+
+def test_pair_scores_enqueues_every_step_before_waiting_for_one(cross_encoder: Path) -> None:
+    reranker = embedctl.load(str(cross_encoder), device="cpu", max_seqs=2)
+    firsts, seconds = ["a question"] * 9, [f"document {i}" for i in range(9)]
+    unready, scored = UnreadyEngine(reranker.engine), []
+    scores = pair_scores(unready, reranker.tokenizer, firsts, seconds, scored.append)
+    steps = unready.log.count("step")
+    assert steps >= 5 and unready.log == ["step"] * steps + ["wait"] * steps
+    assert len(scored) == steps and scored == sorted(scored) and scored[-1] == 9
+    np.testing.assert_array_equal(scores, pair_scores(reranker.engine, reranker.tokenizer, firsts, seconds))
 
 
 def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_dir: Path) -> None:
@@ -508,7 +589,7 @@ def _qrels_for_unknown_queries(tmp: Path) -> tuple[list, list[str]]:
     _good_queries(tmp)
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
     (tmp / "qrels.txt").write_text("q1 0 a0 1\nq7 0 a1 1\n")
-    return ["queries.jsonl", "docs.jsonl", "--qrels", "qrels.txt"], ["qrels.txt judges 1 queries", "'q7'"]
+    return ["queries.jsonl", "docs.jsonl", "--qrels", "qrels.txt"], ["qrels.txt judges 1 query not in the query set", "'q7'"]
 
 
 def _reranker_is_not_a_cross_encoder(tmp: Path) -> tuple[list, list[str]]:
@@ -640,7 +721,8 @@ def test_a_blank_row_sharing_a_ranked_id_does_not_replace_its_text_for_the_reran
     runs = [embedctl_score("queries.jsonl", docs, "--reranker", reranker, "--top-k", "2", cwd=tmp_path)
             for docs in ("docs.jsonl", "with_blank.jsonl")]
     assert [run.returncode for run in runs] == [0, 0], runs[1].stderr
-    assert "1 empty documents skipped" in runs[1].stderr
+    assert "1 query x 2 documents, top 2, 2 pairs reranked in" in runs[1].stderr
+    assert "; 1 empty document skipped -> stdout" in runs[1].stderr
     assert runs[1].stdout == runs[0].stdout  # a0 reranked by its own text, not by the blank row's
 
 
@@ -652,7 +734,7 @@ def test_judged_documents_outside_the_ranked_set_warn_in_one_line_and_score_as_t
                             "--out", "run.jsonl", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     [warning] = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
-    for phrase in ["--qrels qrels.txt judges 3 documents that are not among the documents ranked",
+    for phrase in ["--qrels qrels.txt judges 3 documents not among the documents ranked",
                    "'gone1', 'gone5', 'gone9'", "check the documents and --id-col"]:
         assert phrase in warning
     # Relevant: a0 (1), which the run ranks, and gone9 (1) and gone5 (2), which it cannot: never found.

@@ -32,7 +32,8 @@ class EngineConfig:
         the measured best for the device, raised to the model's max length (batch_tokens()).
     cuda_graphs: whole-model CUDA graphs per token bucket, captured lazily (GPU only).
     compile: fuse residual-add + LayerNorm and the embedding sum with torch.compile (GPU only).
-    warmup: capture every bucket's graph at load instead of on the second hit.
+    warmup: capture every graph shape of batches of sequences up to 512 tokens at load instead of on
+        each shape's second hit (engine.graphs; `embedctl serve` warms up by default).
     attention: backend name; "auto" picks per model and device (engine.attention says how).
     normalize: L2-normalise outputs; None follows the model's sentence-transformers modules.
     dim: keep the first `dim` components (Matryoshka), then re-normalise if normalising.

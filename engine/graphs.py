@@ -5,7 +5,8 @@ sequence count up to a power of two (its slots; extra slots are empty sequences)
 serves every batch of that shape. Slots are bucketed too because the attention kernels launch work
 per slot: 512 slots for a batch of 60 sequences cost MiniLM a third of its GPU time. The first hit
 of a shape runs eagerly on the exact batch, the second captures and replays, later hits replay:
-capture cost is spread over traffic instead of paid at start (warmup=True pays it at start).
+capture cost is spread over traffic instead of paid at start (warmup=True pays it at start, for
+batches of sequences up to 512 tokens; `embedctl serve` warms up by default).
 A graph also bakes in the max_seqlen it gives varlen_attn, whose kernel launches a block per 64-128
 rows of max_seqlen for every sequence slot and head, however short the sequence; so a batch's longest
 sequence is bucketed too, to a power of two of at least 512 (seqlen_for). BERT-family models (max
@@ -75,11 +76,6 @@ def slots_for(seqs: int, tokens: int, max_seqs: int) -> int:
 def seqlen_for(longest: int, tokens: int, max_seqlen: int) -> int:
     """The max_seqlen a graph bakes in for a batch whose longest sequence has `longest` tokens."""
     return min(max(SEQLEN_FLOOR, 1 << max(longest - 1, 0).bit_length()), tokens, max_seqlen)
-
-
-def all_seqlens(tokens: int, max_seqlen: int) -> list[int]:
-    """Every value seqlen_for can take in a bucket of `tokens` tokens."""
-    return sorted({seqlen_for(1 << shift, tokens, max_seqlen) for shift in range(max(tokens, 1).bit_length() + 1)})
 
 
 def all_shapes(max_tokens: int, max_seqs: int, max_seqlen: int) -> list[tuple[int, int]]:
@@ -199,25 +195,32 @@ class GraphRunner:
         graph.graph.replay()
         return graph.output
 
-    def capture_all(self, max_tokens: int) -> None:
-        """Capture every shape up to GRAPH_MAX_TOKENS now (warm-up), each with a dummy batch of that shape.
+    def capture_all(self, max_tokens: int) -> list[tuple[int, int, int]]:
+        """Capture now (warm-up) every shape up to GRAPH_MAX_TOKENS of batches whose sequences are at most
+        SEQLEN_FLOOR tokens, each with a dummy batch of that shape; returns the shapes.
 
+        That is every shape for BERT-family models (max length at most 512). A long-context model's
+        shapes for longer sequences (Qwen3: seven times as many, from 512 to 16,384 tokens per
+        sequence) are left to capture on their second hit: each such step is milliseconds of GPU work
+        that a graph shortens by a few percent, and capturing them all would take minutes.
         On the first lane only, which is where a batch goes whenever the device keeps up: every shape
         on every lane would multiply the graphs' memory (with FlashInfer, 8-16 MiB of plan buffers per
         shape on the device and as much page-locked on the host) by the lane count. Other lanes capture
         a shape when a batch of it first reaches them.
         """
-        lane = self.lanes[0]
-        for tokens, slots in all_shapes(min(max_tokens, GRAPH_MAX_TOKENS), self.max_seqs, self.max_seqlen):
-            for seqlen in all_seqlens(tokens, self.max_seqlen):
-                shape = (tokens, slots, seqlen)
-                self.hits[shape] = max(self.hits.get(shape, 0), 1)
-                dummy = PackedBatch.of([np.zeros(min(tokens // slots, self.max_seqlen), dtype=np.int32)] * slots)
-                with torch.cuda.stream(lane.stream):
-                    graph = self._graph(lane, shape)
-                    if graph.graph is None:
-                        graph.attention.plan(self._stage(lane, dummy, *shape))
-                        self._capture(lane, shape, graph)
+        lane, longest = self.lanes[0], min(SEQLEN_FLOOR, self.max_seqlen)
+        shapes = []
+        for tokens, slots in all_shapes(min(max_tokens, GRAPH_MAX_TOKENS), self.max_seqs, longest):
+            shape = (tokens, slots, seqlen_for(longest, tokens, self.max_seqlen))
+            shapes.append(shape)
+            self.hits[shape] = max(self.hits.get(shape, 0), 1)
+            dummy = PackedBatch.of([np.zeros(min(tokens // slots, longest), dtype=np.int32)] * slots)
+            with torch.cuda.stream(lane.stream):
+                graph = self._graph(lane, shape)
+                if graph.graph is None:
+                    graph.attention.plan(self._stage(lane, dummy, *shape))
+                    self._capture(lane, shape, graph)
+        return shapes
 
     def _graph(self, lane: _Lane, shape: tuple[int, int, int]) -> _Graph:
         if shape not in lane.graphs:

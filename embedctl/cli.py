@@ -125,7 +125,7 @@ def index(
     attention: AttentionOpt = "auto",
     eager: EagerOpt = False,
     fuse: CompileOpt = True,
-    warmup: Annotated[bool, typer.Option(help="Capture every CUDA graph bucket before starting.")] = False,
+    warmup: Annotated[bool, typer.Option(help="Capture the CUDA graph of every batch shape before starting (of sequences up to 512 tokens; longer ones on their second hit), not on each shape's second hit.")] = False,
     tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize in N worker processes, 0 in this one (default: one per 4 cores when the model runs on a GPU, there are at least 8 cores and SOURCE has 20,000 rows or an unknown count, else 0).")] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the run's summary as JSON to this file.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
@@ -276,7 +276,9 @@ def serve(
     attention: AttentionOpt = "auto",
     eager: EagerOpt = False,
     fuse: CompileOpt = True,
-    warmup: Annotated[bool, typer.Option(help="Capture every CUDA graph bucket before serving.")] = False,
+    # On by default: a graph captured under traffic stalls every request in flight, which made the
+    # serving p99 several times its p50 (bench/results/gpu-2026-11-30-run62-serve-warmup-ab).
+    warmup: Annotated[bool, typer.Option(help="Capture the CUDA graph of every batch shape (of sequences up to 512 tokens) before serving, so that no request waits for a capture; --no-warmup starts sooner.")] = True,
     access_log: Annotated[bool, typer.Option(help="Log one line per request.")] = False,
     tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize requests of many texts in N worker processes, 0 in the server process (default: one per 4 cores when the model runs on a GPU and there are at least 8 cores, else 0).")] = None,
 ) -> None:

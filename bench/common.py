@@ -1,6 +1,7 @@
 """What the benchmarks share: latency percentiles of a call, the record of when and where a run ran, a
-profiled step's GPU span and idle time, and the BERT-base-shaped checkpoint of random weights that
-stands in for a real one (random weights time like real ones)."""
+profiled step's GPU span and idle time, and the models by name: MiniLM, and the BERT-base- and
+Qwen3-0.6B-shaped checkpoints of random weights that stand in for real ones (random weights time like
+real ones)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,13 @@ def random_bert_base(directory: Path) -> Path:
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
     return path
 
+
+
+def checkpoints(names: list[str], minilm: Path, folder: Path) -> dict[str, Path]:
+    """The folders of the benchmarks' models by name: "minilm" (the real checkpoint at minilm), and
+    "bert-base" and "qwen3-0.6b" (Qwen3-Embedding-0.6B's shape), of random weights written under folder."""
+    from tests.test_qwen3 import QWEN3_06B, save_random_qwen3
+
+    makers = {"minilm": lambda: minilm, "bert-base": lambda: random_bert_base(folder / "bert-base"),
+              "qwen3-0.6b": lambda: save_random_qwen3(folder / "qwen3", device="cuda", **QWEN3_06B)}
+    return {name: makers[name]() for name in names}

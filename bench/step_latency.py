@@ -26,6 +26,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.common import checkpoints
+
 POINTS = {"minilm": (16, 128), "bert-base": (16, 128), "qwen3-0.6b": (128, 512, 4096)}
 
 
@@ -72,16 +74,6 @@ def run_arm(arm: str, tree: str, models: dict[str, str], args: argparse.Namespac
     result = json.loads(child.stdout.strip().splitlines()[-1])
     print(f"{arm}: {json.dumps(result)}", flush=True)
     return result
-
-
-def checkpoints(names: list[str], minilm: Path, folder: Path) -> dict[str, Path]:
-    """The models' folders: MiniLM's own, the random ones written under folder."""
-    from bench.common import random_bert_base
-    from tests.test_qwen3 import QWEN3_06B, save_random_qwen3
-
-    makers = {"minilm": lambda: minilm, "bert-base": lambda: random_bert_base(folder / "bert-base"),
-              "qwen3-0.6b": lambda: save_random_qwen3(folder / "qwen3", device="cuda", **QWEN3_06B)}
-    return {name: makers[name]() for name in names}
 
 
 def worker(job: dict) -> None:

@@ -143,15 +143,22 @@ class FlashInferAttention:
     only holds each run's temporaries), so a batch laid out exactly like the one this instance
     planned last reuses that plan: a repeated query, or pairs all cut at max_length, skip the
     0.3 ms of host work. With `pooled`, a second wrapper plans pooled() over the same sequences:
-    a new layout then costs two plans, and each graph shape holds two of FlashInfer's plan
-    workspaces (8 MiB on the device and 8 MiB page-locked on the host each).
+    a new layout then costs two plans, and each graph shape holds two plan workspaces.
+    FlashInfer gives every wrapper an 8 MiB integer workspace for its plan, and as much page-locked
+    on the host. With one wrapper per graph shape (two when pooled) that came to 7.2 GiB on the
+    device and 4.6 GiB page-locked for BERT-base's 489 shapes, 16 / 8 GiB for Qwen3-0.6B's
+    (bench/results/gpu-2026-11-30-run64-warmup-flashinfer), so a graph shape's wrappers get
+    workspaces sized for what its plan can hold (plan_workspace_bytes).
     """
 
     def __init__(self, num_heads: int, head_dim: int, dtype: torch.dtype, workspace: torch.Tensor,
                  causal: bool = False, slots: int | None = None, num_kv_heads: int | None = None,
-                 pooled: bool = False) -> None:
+                 pooled: bool = False, max_tokens: int | None = None) -> None:
+        """slots and max_tokens: a graph shape's sequence slots and the most tokens it can have; None for eager runs."""
+        if slots and max_tokens is None:
+            raise ValueError("a graph shape's FlashInferAttention needs max_tokens, which sizes its plan workspace")
         self.num_heads, self.head_dim, self.dtype, self.causal = num_heads, head_dim, dtype, causal
-        self.num_kv_heads = num_kv_heads or num_heads
+        self.num_kv_heads, self.max_tokens = num_kv_heads or num_heads, max_tokens
         self.planned = torch.cuda.Event()
         self.planned_indptr: list[int] | None = None
         # Sequence offsets; their last entry is the padding sequence's end (the bucket's token count).
@@ -166,8 +173,13 @@ class FlashInferAttention:
 
         if query_offsets is None:
             return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
-        return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+        wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
             workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=query_offsets, kv_indptr_buf=self.indptr)
+        # Its default 8 MiB go back to torch's caches, where the next wrapper's constructor finds them.
+        plan_workspace = torch.empty(plan_workspace_bytes(self.num_heads, len(self.indptr) - 2, self.max_tokens),
+                                     dtype=torch.uint8, device=workspace.device)
+        wrapper.reset_workspace_buffer(workspace, plan_workspace)
+        return wrapper
 
     def plan(self, layout: AttentionLayout) -> None:
         indptr = layout.cu_seqlens_host + [layout.tokens]
@@ -194,6 +206,19 @@ class FlashInferAttention:
     def pooled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self.pooled_wrapper is not None, "FlashInferAttention was built without pooled=True"
         return self.pooled_wrapper.run(q, k, v)
+
+
+def plan_workspace_bytes(num_heads: int, slots: int, max_tokens: int) -> int:
+    """An upper bound on the integer workspace FlashInfer's plan() fills for a CUDA-graph wrapper of
+    `slots` sequences (and the padding one) over at most max_tokens tokens.
+
+    From FlashInfer 0.7's scheduler (include/flashinfer/attention/scheduler.cuh): the Hopper plan
+    (PrefillSM90Plan) keeps 7 int32 arrays of at most (ceil(rows / 128) + sequences) work items per
+    query head; the Ampere one (PrefillPlan) keeps 4 arrays of at most rows * group / 16 + sequences
+    query tiles (group: query heads per k/v head, at most num_heads) and rows + 1 merge offsets. Eight
+    arrays of (rows / 16 + sequences) per head, plus slack for alignment and the small fields, bound both.
+    """
+    return 32 * num_heads * (max_tokens // 16 + slots + 2) + (64 << 10)
 
 
 def flashinfer_available() -> bool:

@@ -26,7 +26,7 @@ from engine.checkpoint import load_weights, position_offset, resolve_model
 from engine.config import GPU_FP32, EngineConfig
 from engine.errors import UserError
 from engine.fused import Fused
-from engine.graphs import GraphRunner, GraphStats
+from engine.graphs import GRAPH_MAX_TOKENS, GraphRunner, GraphStats, bucket_for
 from engine.lazy import LazyTensor, PinnedRing
 from engine.models.bert import BertConfig, BertModel
 from engine.models.qwen3 import Qwen3Config, Qwen3Model, Qwen3Ops
@@ -157,6 +157,7 @@ class Engine:
                                                                 device=self.device)
             return FlashInferAttention(self.model.num_heads, self.model.head_dim, self.dtype,
                                        self._flashinfer_workspaces[lane], causal=self.model.causal, slots=slots,
-                                       num_kv_heads=self.model.num_kv_heads, pooled=self.prune)
+                                       num_kv_heads=self.model.num_kv_heads, pooled=self.prune,
+                                       max_tokens=min(bucket_for(self.max_batch_tokens), GRAPH_MAX_TOKENS))
         return VarlenAttention(causal=self.model.causal)
 

@@ -335,6 +335,30 @@ def test_gqa_attention_backends_match_exact_sdpa(backend: str, causal: bool, len
 
 
 @pytest.mark.gpu
+@needs_flashinfer
+@pytest.mark.parametrize("lengths", [[32] * 512, [16384 - 511] + [1] * 511])
+def test_a_graph_shapes_plan_fits_its_workspace_at_the_largest_shape(lengths: list[int]) -> None:
+    # The most plan a graph shape can need: GRAPH_MAX_TOKENS tokens in 512 slots (the default max_seqs),
+    # Qwen3-0.6B's 16 query heads, through a workspace sized by plan_workspace_bytes, not FlashInfer's 8 MiB.
+    cu = [0] + np.cumsum(lengths).tolist()
+    q = torch.randn(cu[-1], 16, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(cu[-1], 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    layout = AttentionLayout(torch.tensor(cu, dtype=torch.int32, device="cuda"), cu, max(lengths), cu[-1])
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    attention = FlashInferAttention(16, 128, torch.bfloat16, workspace, causal=True, slots=len(lengths), num_kv_heads=8,
+                                    pooled=True, max_tokens=GRAPH_MAX_TOKENS)
+    assert attention.wrapper._int_workspace_buffer.numel() < 2 << 20  # FlashInfer's own is 8 MiB
+    attention.plan(layout)
+    exact = SdpaAttention(causal=True)
+    exact.plan(layout)
+    out, expected = attention(q, k, v).float(), exact(q.float(), k.float(), v.float())
+    assert torch.linalg.norm(out - expected) / torch.linalg.norm(expected) < 1e-2
+    last_rows = [end - 1 for end in cu[1:]]
+    pooled, pooled_expected = attention.pooled(q[last_rows], k, v).float(), exact.pooled(q[last_rows].float(), k.float(), v.float())
+    assert torch.linalg.norm(pooled - pooled_expected) / torch.linalg.norm(pooled_expected) < 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["varlen", pytest.param("flashinfer", marks=needs_flashinfer)])
 @pytest.mark.parametrize(("causal", "pooling"), [(True, "last"), (False, "mean")])
 def test_qwen3_06b_shape_in_bf16_equals_transformers_fp32(qwen3_06b: Path, backend: str, causal: bool,
@@ -367,7 +391,7 @@ def test_qwen3_06b_shape_in_bf16_equals_transformers_fp32(qwen3_06b: Path, backe
 @pytest.mark.gpu
 def test_warmup_of_a_long_context_model_covers_short_sequences_and_leaves_long_ones_lazy(tmp_path: Path) -> None:
     path = save_random_qwen3(tmp_path / "model", device="cuda", max_position_embeddings=4096)
-    engine = Engine.load(str(path), EngineConfig(max_batch_tokens=2048, warmup=True))
+    engine = Engine.load(str(path), EngineConfig(max_batch_tokens=2048, max_length=2048, warmup=True))
     assert engine.stats.captures == len(all_shapes(2048, 512, SEQLEN_FLOOR)) and engine.stats.eager_runs == 0
     short = random_sequences([6, 300, 100, 512], seed=5)
     engine.step(PackedBatch.of(short)).result()

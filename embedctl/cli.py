@@ -125,7 +125,7 @@ def index(
     attention: AttentionOpt = "auto",
     eager: EagerOpt = False,
     fuse: CompileOpt = True,
-    warmup: Annotated[bool, typer.Option(help="Capture the CUDA graph of every batch shape before starting (of sequences up to 512 tokens; longer ones on their second hit), not on each shape's second hit.")] = False,
+    warmup: Annotated[bool, typer.Option(help="Capture before starting the CUDA graph of every batch shape whose sequences are at most 512 tokens; other shapes are still captured on their second hit.")] = False,
     tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize in N worker processes, 0 in this one (default: one per 4 cores when the model runs on a GPU, there are at least 8 cores and SOURCE has 20,000 rows or an unknown count, else 0).")] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the run's summary as JSON to this file.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,

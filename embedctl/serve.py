@@ -36,8 +36,10 @@ cross-encoder (which then has no vectors).
 
 The engine is loaded with its CUDA graph warm-up unless --no-warmup: every batch shape (of sequences up
 to 512 tokens) is captured before the port answers, because a shape captured under traffic stalls every
-request in flight. On the H200 that took MiniLM's p99 at 16 clients from 21.7 to 9.8 ms for 2.5 s more
-start-up (bench/results/gpu-2026-11-30-run62-serve-warmup-ab).
+request in flight. On the H200 that took MiniLM's p99 at 16 clients from 21.7 to 9.8 ms and from 25.6
+to 11.5 ms for 2.5 and 3.9 s more start-up (bench/results/gpu-2026-11-30-run62-serve-warmup-ab, run63).
+The port listens from the start (a taken port fails before the model loads) but answers only once the
+capture is done; a probe meanwhile waits rather than reading 503.
 
 Not here: batching (engine.scheduler), the model (engine), tokenization rules (pipelines.tokenize).
 """
@@ -504,17 +506,20 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
         reason = getattr(error, "strerror", None) or str(error)
         raise UserError(f"cannot listen on {options.host}:{options.port} ({reason}); "
                         "pick another --port or --host") from None
+    server_log = logging.getLogger("uvicorn.error")  # where uvicorn's own start-up lines go
+    if config.warmup and config.cuda_graphs and config.torch_device().type == "cuda":
+        server_log.info("loading the model and capturing its CUDA graphs before answering (--no-warmup starts sooner)")
     engine = Engine.load(model, replace(config, normalize=False))
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
     app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize, options.tokenizer_processes)
     server = uvicorn.Server(uvicorn.Config(app, access_log=options.access_log,
                                            timeout_graceful_shutdown=DRAIN_SECONDS))
-    server_log = logging.getLogger("uvicorn.error")  # where uvicorn's own start-up lines go
     server_log.info("embedctl serve: %s on %s, dim %d, max length %d, at http://%s:%d (docs at /docs)",
                     engine.files.name, engine.device, engine.dim, engine.max_length, options.host, sock.getsockname()[1])
     if engine.stats.captures:
-        server_log.info("warm-up: %d CUDA graphs captured in %.1f s, one per batch shape, so that no request waits for a "
-                        "capture (--no-warmup starts sooner)", engine.stats.captures, engine.stats.capture_seconds)
+        server_log.info("warm-up: %d CUDA graphs captured in %.1f s, one per shape of batch whose sequences are at most "
+                        "512 tokens, so that such requests never wait for a capture", engine.stats.captures,
+                        engine.stats.capture_seconds)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has drained: a clean stop, exit 0

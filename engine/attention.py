@@ -148,7 +148,9 @@ class FlashInferAttention:
     on the host. With one wrapper per graph shape (two when pooled) that came to 7.2 GiB on the
     device and 4.6 GiB page-locked for BERT-base's 489 shapes, 16 / 8 GiB for Qwen3-0.6B's
     (bench/results/gpu-2026-11-30-run64-warmup-flashinfer), so a graph shape's wrappers get
-    workspaces sized for what its plan can hold (plan_workspace_bytes).
+    workspaces sized for what a plan of its slots can hold in the engine's largest graph bucket
+    (plan_workspace_bytes): under 1 MiB each, 2.5x less memory in all (run65). Sizing them by each
+    shape's own token count would save a few hundred MiB more.
     """
 
     def __init__(self, num_heads: int, head_dim: int, dtype: torch.dtype, workspace: torch.Tensor,
@@ -214,9 +216,10 @@ def plan_workspace_bytes(num_heads: int, slots: int, max_tokens: int) -> int:
 
     From FlashInfer 0.7's scheduler (include/flashinfer/attention/scheduler.cuh): the Hopper plan
     (PrefillSM90Plan) keeps 7 int32 arrays of at most (ceil(rows / 128) + sequences) work items per
-    query head; the Ampere one (PrefillPlan) keeps 4 arrays of at most rows * group / 16 + sequences
-    query tiles (group: query heads per k/v head, at most num_heads) and rows + 1 merge offsets. Eight
-    arrays of (rows / 16 + sequences) per head, plus slack for alignment and the small fields, bound both.
+    query head; the Ampere one (PrefillPlan) keeps 4 arrays of at most max(2 * SMs / kv heads,
+    rows * group / 16 + sequences) query tiles (group: query heads per k/v head, at most num_heads)
+    and rows + 1 merge offsets. Eight arrays of (rows / 16 + sequences) per head bound the tiles and
+    the merge offsets; the 64 KiB of slack covers the SM-count minimum, alignment and the small fields.
     """
     return 32 * num_heads * (max_tokens // 16 + slots + 2) + (64 << 10)
 

@@ -195,24 +195,22 @@ class GraphRunner:
         graph.graph.replay()
         return graph.output
 
-    def capture_all(self, max_tokens: int) -> list[tuple[int, int, int]]:
+    def capture_all(self, max_tokens: int) -> None:
         """Capture now (warm-up) every shape up to GRAPH_MAX_TOKENS of batches whose sequences are at most
-        SEQLEN_FLOOR tokens, each with a dummy batch of that shape; returns the shapes.
+        SEQLEN_FLOOR tokens, each with a dummy batch of that shape.
 
         That is every shape for BERT-family models (max length at most 512). A long-context model's
         shapes for longer sequences (Qwen3: seven times as many, from 512 to 16,384 tokens per
         sequence) are left to capture on their second hit: each such step is milliseconds of GPU work
         that a graph shortens by a few percent, and capturing them all would take minutes.
         On the first lane only, which is where a batch goes whenever the device keeps up: every shape
-        on every lane would multiply the graphs' memory (with FlashInfer, 8-16 MiB of plan buffers per
+        on every lane would multiply the graphs' memory (with FlashInfer, up to 1-2 MiB of plan buffers per
         shape on the device and as much page-locked on the host) by the lane count. Other lanes capture
         a shape when a batch of it first reaches them.
         """
         lane, longest = self.lanes[0], min(SEQLEN_FLOOR, self.max_seqlen)
-        shapes = []
         for tokens, slots in all_shapes(min(max_tokens, GRAPH_MAX_TOKENS), self.max_seqs, longest):
             shape = (tokens, slots, seqlen_for(longest, tokens, self.max_seqlen))
-            shapes.append(shape)
             self.hits[shape] = max(self.hits.get(shape, 0), 1)
             dummy = PackedBatch.of([np.zeros(min(tokens // slots, longest), dtype=np.int32)] * slots)
             with torch.cuda.stream(lane.stream):
@@ -220,7 +218,6 @@ class GraphRunner:
                 if graph.graph is None:
                     graph.attention.plan(self._stage(lane, dummy, *shape))
                     self._capture(lane, shape, graph)
-        return shapes
 
     def _graph(self, lane: _Lane, shape: tuple[int, int, int]) -> _Graph:
         if shape not in lane.graphs:

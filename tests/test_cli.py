@@ -585,3 +585,17 @@ def test_a_quoted_tilde_means_the_home_folder_for_every_path(tmp_path: Path) -> 
     assert len((home / "run.jsonl").read_text().splitlines()) == 2
     assert list(elsewhere.iterdir()) == []
 
+
+
+@pytest.mark.parametrize(("flags", "warmup"), [([], True), (["--no-warmup"], False)])
+def test_serve_warms_up_its_graphs_unless_told_not_to(monkeypatch, flags: list[str], warmup: bool) -> None:
+    # Which EngineConfig the command hands the server: the warm-up itself needs a GPU (tests/test_gpu.py).
+    import embedctl.serve
+    from embedctl.cli import app
+    from typer.testing import CliRunner
+
+    configs = []
+    monkeypatch.setattr(embedctl.serve, "serve", lambda model, config, options: configs.append(config))
+    result = CliRunner().invoke(app, ["serve", "--port", "0", *flags])
+    assert result.exit_code == 0, result.output
+    assert [config.warmup for config in configs] == [warmup]

@@ -252,7 +252,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
             doomed = len(store.existing) if options.prune else len(emptied)
             cause = "--prune" if options.prune else "their empty texts"
             raise UserError(f"the source holds no rows with text, so {cause} would delete {doomed:,} of the "
-                            f"{plural(len(store.existing), 'row')} of {options.out}; check the source (an empty export?), "
+                            f"{len(store.existing):,} stored in {options.out}; check the source (an empty export?), "
                             "or remove the output to start it empty")
         report.deleted = store.finish(source, options.prune, emptied)
     except BaseException:

@@ -346,6 +346,8 @@ def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking
         scored = (_queries_scored(progress, start, [len(ranking.doc_ids[q]) for q in block], total)
                   if progress is not None else None)
         block_scores = pair_scores(reranker, tokenizer, firsts, seconds, scored)
+        if scored is not None:
+            scored(len(firsts))  # a block of queries without hits has no pairs to report it
         pairs += len(firsts)
         offset = 0
         for q in block:
@@ -368,8 +370,8 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
     tokenizer works on the next group while the device runs this one.
 
     scored, when given, hears how many pairs (from the first) have their scores, each time that grows.
-    For it, the results already ready are taken between steps, in order and without waiting, so every
-    step is still enqueued before the first wait; without it, results are taken only at the end.
+    For it, the results already ready are taken between steps, in order and without waiting on any, so
+    the next step is never held back for them; without it, results are taken only at the end.
     """
     packer = Packer(reranker.max_batch_tokens, reranker.config.max_seqs)
     pending: deque[LazyTensor] = deque()

@@ -326,8 +326,8 @@ def test_a_store_that_fails_mid_run_stops_every_thread_and_keeps_the_old_output(
 
 @pytest.mark.parametrize("out", OUTPUTS)
 @pytest.mark.parametrize(("rows", "prune", "phrase"), [
-    ([{"id": "blank", "text": "  "}], True, "--prune would delete 1 of the 1 row of"),
-    ([{"id": "old", "text": None}], False, "their empty texts would delete 1 of the 1 row of"),
+    ([{"id": "blank", "text": "  "}], True, "--prune would delete 1 of the 1 stored in"),
+    ([{"id": "old", "text": None}], False, "their empty texts would delete 1 of the 1 stored in"),
 ], ids=["prune", "emptied"])
 def test_a_source_without_text_that_would_delete_rows_is_refused(tmp_path: Path, engine: Engine, out: str,
                                                                  rows: list[dict], prune: bool, phrase: str) -> None:

@@ -771,3 +771,16 @@ def test_a_reader_that_leaves_early_ends_the_run_quietly() -> None:
     process.stdout.close()  # the reader is gone before the first line
     stderr = process.stderr.read()
     assert (process.wait(300), stderr) == (0, "")
+
+
+def test_a_query_counts_as_reranked_once_its_last_pair_is_scored() -> None:
+    heard = []
+    scored = score._queries_scored(lambda done, tokens, total: heard.append((done, tokens, total)), 10, [3, 0, 3, 2], 14)
+    scored(2)
+    assert heard == []  # the first query's third pair is not scored yet
+    scored(3)
+    assert heard == [(12, 0, 14)]  # the first query, and the second, which has no pairs
+    scored(7)
+    assert heard[-1] == (13, 0, 14)
+    scored(8)
+    assert heard[-1] == (14, 0, 14) and len(heard) == 3

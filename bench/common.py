@@ -73,7 +73,6 @@ def random_bert_base(directory: Path) -> Path:
     return path
 
 
-
 def checkpoints(names: list[str], minilm: Path, folder: Path) -> dict[str, Path]:
     """The folders of the benchmarks' models by name: "minilm" (the real checkpoint at minilm), and
     "bert-base" and "qwen3-0.6b" (Qwen3-Embedding-0.6B's shape), of random weights written under folder."""

@@ -8,8 +8,12 @@ keep-alive connection, sending its next request when the previous one is answere
                request: p50/p99 latency, requests/s, tokens/s, errors
   batch        4 client processes sending requests of 100 corpus documents: tokens/s, against the
                engine's own model-only tokens/s on the same documents (measured first, in this process)
-Each point runs a few untimed requests first, so CUDA graphs are captured before timing. Prints a
-markdown table and writes every figure as JSON to --out. `--smoke` runs tiny counts on any device.
+Each point runs a few untimed requests first. They do not reach every batch shape that concurrent
+clients make, so a server without its graph warm-up (`--no-warmup`) still captures graphs inside
+timed points: each point counts the captures and eager runs the server made while timed (/metrics),
+and each server's seconds from start to healthy. `--also FLAGS` adds the same server with other
+flags. Prints a markdown table and writes every figure as JSON to --out. `--smoke` runs tiny counts
+on any device.
 Not here: the engine-only suites (bench/gpu_engine.py).
 
     python -m bench.serve_bench --minilm .bundle/minilm --corpus .bench-data/docstrings.parquet --out serve.json
@@ -74,7 +78,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny counts (10-document batches) on any device: checks the script")
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="measure embedctl only")
     parser.add_argument("--also", action="append", default=[], metavar="FLAGS",
-                        help="also measure embedctl serve with these extra flags, e.g. --also='--warmup' (repeatable)")
+                        help="also measure embedctl serve with these extra flags, e.g. --also='--no-warmup' (repeatable)")
     parser.add_argument("--peer-port", type=int, default=None, help=argparse.SUPPRESS)  # run as the peer server
     args = parser.parse_args()
     if args.minilm is None:
@@ -198,14 +202,15 @@ def run_suites(args: argparse.Namespace, url: str, query: str, document: str, co
 def measure(url: str, bodies: list[list[bytes]], requests: int, warmup: int) -> dict:
     """One client process per entry of bodies, cycling through its bodies; all start together."""
     context = multiprocessing.get_context("spawn")
-    barrier = context.Barrier(len(bodies) + 1)
+    warmed, go = context.Barrier(len(bodies) + 1), context.Barrier(len(bodies) + 1)
     results = context.Queue()
-    workers = [context.Process(target=client, args=(url, mine, requests, warmup, barrier, results)) for mine in bodies]
+    workers = [context.Process(target=client, args=(url, mine, requests, warmup, warmed, go, results)) for mine in bodies]
     for worker in workers:
         worker.start()
-    barrier.wait()
+    warmed.wait()
+    before = graph_counts(url)  # between the barriers: every client warmed up, none timing yet
+    go.wait()
     started = time.perf_counter()
-    before = graph_counts(url)
     outcomes = [results.get() for _ in workers]
     wall = time.perf_counter() - started
     after = graph_counts(url)
@@ -216,7 +221,7 @@ def measure(url: str, bodies: list[list[bytes]], requests: int, warmup: int) -> 
     return {"p50_ms": float(np.percentile(latencies, 50)), "p99_ms": float(np.percentile(latencies, 99)),
             "requests_per_s": len(latencies) / wall, "tokens_per_s": tokens / wall,
             "errors": sum(o["errors"] for o in outcomes), "requests": len(latencies),
-            **{name: after[name] - before[name] for name in after}}
+            **{name: after[name] - before[name] for name in after.keys() & before.keys()}}
 
 
 def graph_counts(url: str) -> dict[str, int]:
@@ -231,13 +236,14 @@ def graph_counts(url: str) -> dict[str, int]:
     return counts
 
 
-def client(url: str, bodies: list[bytes], requests: int, warmup: int, barrier, results) -> None:
-    """Send `warmup` requests untimed, meet the others at the barrier, then `requests` back to back."""
+def client(url: str, bodies: list[bytes], requests: int, warmup: int, warmed, go, results) -> None:
+    """Send `warmup` requests untimed, meet the others at both barriers, then `requests` back to back."""
     latencies, tokens, errors = [], 0, 0
     with httpx.Client(base_url=url, timeout=300, headers={"Content-Type": "application/json"}) as http:
         for i in range(warmup):
             http.post("/v1/embeddings", content=bodies[i % len(bodies)])
-        barrier.wait()
+        warmed.wait()
+        go.wait()
         for i in range(requests):
             started = time.perf_counter()
             reply = http.post("/v1/embeddings", content=bodies[i % len(bodies)])

@@ -2,11 +2,15 @@
 
 Each model loads twice, in a fresh process each time (its own CUDA context), on one lane as `embedctl
 serve` runs it: without warm-up, and with every graph shape of batches of sequences up to 512 tokens
-captured at load (engine.graphs.GraphRunner.capture_all). Per load: seconds until the engine is ready,
+captured at load (engine.graphs.GraphRunner.capture_all); each then runs one short batch, as serve's
+own warm-up does. Per load: seconds until that batch is back,
 graphs captured and the seconds that took, the device memory in use (torch's allocator, which holds the
 graphs' pool and FlashInfer's plan buffers) and the process's resident host memory (page-locked plan
 buffers included). The warm-up's cost is the difference between the two loads.
-Models: all-MiniLM-L6-v2 (--minilm), and random-weight BERT-base and Qwen3-Embedding-0.6B shapes.
+Models: all-MiniLM-L6-v2 (--minilm), and random-weight BERT-base and Qwen3-Embedding-0.6B shapes (the
+latter built on a GPU: without one, a smoke run of the script takes minilm and bert-base only).
+Results up to 8b2dba8 (run63-run65) stopped the clock at load, before any forward pass: without warm-up
+that left out torch.compile and first-use costs that the warm-up load included.
 
     python3 -m bench.warmup_cost --minilm .bundle/minilm --models minilm,bert-base,qwen3-0.6b --out bench-out/warmup_cost
 writes results.json and report.md under --out and prints the table.
@@ -60,13 +64,17 @@ def child(path: Path, mode: str) -> dict:
 def load(path: str, warmup: bool) -> dict:
     import time
 
+    import numpy as np
     import torch
 
-    from engine import Engine, EngineConfig
+    from engine import Engine, EngineConfig, PackedBatch
 
     gpu = torch.cuda.is_available()  # without one there is nothing to capture: a smoke run of the script
     started = time.perf_counter()
     engine = Engine.load(path, EngineConfig(warmup=warmup, lanes=1))
+    # One short batch either way, as serve's own warm-up sends: the first forward pass (torch.compile,
+    # library set-up) is then in both figures, not only in the one whose captures ran it.
+    engine.step(PackedBatch.of([np.arange(100, 116, dtype=np.int32)])).result()
     if gpu:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started

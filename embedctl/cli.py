@@ -97,7 +97,7 @@ CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help="Fused 
 
 @app.command()
 def index(
-    source: Annotated[str, typer.Argument(help="A Parquet/JSONL file, a directory, a glob or an fsspec URL.")],
+    source: Annotated[str, typer.Argument(metavar="SOURCE", help="A Parquet/JSONL file, a directory, a glob or an fsspec URL.")],
     out: Annotated[str, typer.Option("--out", "-o", help="vectors.lance, a LanceDB URI (with --table), out.parquet or a directory/.")],
     table: Annotated[Optional[str], typer.Option(help="Table name when --out is a LanceDB URI.")] = None,
     model: ModelOpt = None,
@@ -190,8 +190,8 @@ def index(
 
 @app.command()
 def score(
-    queries: Annotated[str, typer.Argument(help="Queries: a Parquet/JSONL file, a directory, a glob or an fsspec URL.")],
-    docs: Annotated[Optional[str], typer.Argument(help="Documents to rank, read like QUERIES (with --index: only their texts, for --reranker).")] = None,
+    queries: Annotated[str, typer.Argument(metavar="QUERIES", help="Queries: a Parquet/JSONL file, a directory, a glob or an fsspec URL.")],
+    docs: Annotated[Optional[str], typer.Argument(metavar="DOCS", help="Documents to rank, read like QUERIES (with --index: only their texts, for --reranker).")] = None,
     index: Annotated[Optional[str], typer.Option(help="Rank the vectors of a table built by `embedctl index` (x.lance, x.parquet, dir/, or a LanceDB URI with --table).")] = None,
     table: Annotated[Optional[str], typer.Option(help="Table name when --index is a LanceDB URI.")] = None,
     top_k: Annotated[int, typer.Option(help="Documents kept per query.")] = 10,

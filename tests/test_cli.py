@@ -310,7 +310,7 @@ def test_a_report_that_cannot_be_written_is_refused_before_any_work(tmp_path: Pa
 USAGE_ERRORS = {
     "unknown option": (["index", "docs.jsonl", "--out", "x.lance", "--frobnicate"],
                        ["error: No such option: --frobnicate", "(see embedctl index --help)"]),
-    "missing argument": (["index"], ["error: Missing argument 'source' (see embedctl index --help)"]),
+    "missing argument": (["index"], ["error: Missing argument 'SOURCE' (see embedctl index --help)"]),
     "bad choice": (["index", "docs.jsonl", "--out", "x.lance", "--on-long", "sometimes"],
                    ["'--on-long'", "'sometimes' is not one of 'truncate', 'error'", "(see embedctl index --help)"]),
     "not a number": (["score", "queries.jsonl", "docs.jsonl", "--top-k", "many"], ["'--top-k'", "(see embedctl score --help)"]),

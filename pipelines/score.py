@@ -162,6 +162,7 @@ class StoredVectors:
     def __init__(self, path: str, text_col: str, table: str | None = None) -> None:
         self.path, self.text_col = path, text_col
         self._table = self._dataset = None
+        lance = path.rstrip("/").endswith(".lance")
         shown = f"table '{table}' of --index {path}" if table is not None else f"--index {path}"
         if table is not None and (path.rstrip("/").endswith(".parquet") or path.endswith("/")):
             raise UserError(f"--table {table} names a table of a LanceDB database, and {path} is a Parquet table; "
@@ -171,10 +172,10 @@ class StoredVectors:
                       "a table written by `embedctl index` (x.lance, x.parquet, a directory of parts, or a database "
                       "with --table)")
             raise UserError(f"--index {path} does not exist; give {wanted}")
-        if table is None and not path.rstrip("/").endswith(".lance") and (tables := database_tables(path)):
+        if table is None and not lance and (tables := database_tables(path)):
             raise UserError(f"--index {path} is a LanceDB database (tables: {', '.join(tables)}); pass --table NAME")
         try:
-            if table is not None or path.rstrip("/").endswith(".lance"):
+            if table is not None or lance:
                 import lancedb  # here, not at the top: Parquet tables work where lancedb is not installed
 
                 db, _, name = path.rstrip("/").rpartition("/")
@@ -184,12 +185,12 @@ class StoredVectors:
                         raise UserError(f"--index {path} is not a folder; give the LanceDB database that holds "
                                         f"table '{table}'")
                 self._table = lancedb.connect(db or ".").open_table(name.removesuffix(".lance"))
-                schema, self.rows = self._table.schema, self._table.count_rows()
+                schema, self.total_rows = self._table.schema, self._table.count_rows()
             else:
                 import pyarrow.dataset
 
                 self._dataset = pyarrow.dataset.dataset(path, format="parquet")
-                schema, self.rows = self._dataset.schema, self._dataset.count_rows()
+                schema, self.total_rows = self._dataset.schema, self._dataset.count_rows()
         except (ValueError, OSError, RuntimeError) as error:  # lance raises RuntimeError for a store it cannot reach
             raise UserError(f"cannot open {shown} ({short_reason(error)}); give a table written by "
                             "`embedctl index` (x.lance, x.parquet, a directory of parts, or a database with --table)") \
@@ -283,9 +284,7 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
     doc_ids: list[str] = []
     seen: set[str] = set()
     skipped = tokens = 0
-    total = docs.rows if isinstance(docs, StoredVectors) else None
-    if isinstance(docs, CorpusReader):
-        total = docs.total_rows
+    total = docs.total_rows if isinstance(docs, (StoredVectors, CorpusReader)) else None
     if progress is not None:
         progress(0, 0, total)
     if isinstance(docs, StoredVectors):

@@ -8,8 +8,8 @@ skips the character offsets nobody here reads.
 
 Three things spare the tokenizer work whose result would be thrown away, each only where it gives
 exactly the ids the library gives for the whole text (tests/test_tokenize.py):
-- long texts are tokenized only as far as the kept tokens need (encode_cut), for pre-tokenizers
-  that split at spaces (cuts_at_spaces);
+- long texts, and pairs' long documents, are tokenized only as far as the kept tokens need
+  (encode_cut, TextTokenizer.encode_pairs), for pre-tokenizers that split at spaces (cuts_at_spaces);
 - ASCII texts skip the library's normalizer, which keeps an alignment for every character and took
   38% of MiniLM's tokenizer time: on ASCII its effect is a bytes.translate and a str.lower
   (ascii_normalizer), which CPython runs at memory speed;
@@ -71,6 +71,22 @@ class Encoded:
     type_ids: list[np.ndarray] | None = None  # int32 token types per pair; None for single texts
 
 
+PairResult = tuple[np.ndarray, np.ndarray, bool]  # a pair's int32 ids and token types, and whether it was truncated
+
+
+@dataclass(frozen=True)
+class ShortQuery:
+    """A pair's query that truncation keeps whole (TextTokenizer._short_queries)."""
+
+    ids: np.ndarray  # its ids without special tokens
+    left: int  # the room it leaves for the document's tokens
+
+
+def _pair_result(encoding: Encoding) -> PairResult:
+    return (np.asarray(encoding.ids, dtype=np.int32), np.asarray(encoding.type_ids, dtype=np.int32),
+            bool(encoding.overflowing))
+
+
 class TextTokenizer:
     """A model's tokenizer: texts (or pairs) to ids with its special tokens, truncated at max_length."""
 
@@ -94,7 +110,6 @@ class TextTokenizer:
         self._bare = None
         if self._normalize is not None:
             self._bare = self.tokenizer if self._no_normalizer else _without_normalizer(self.tokenizer)
-        self._pieces_safe = self._normalize is not None and self._pair_template is not None and bool(self._cuts)
         # An added token is matched in the text before normalization (normalized=False) or after it, so
         # a text holding one in either form goes to the tokenizer whole; so does one holding a token's
         # normalized form, which the copy without a normalizer would match as written.
@@ -143,59 +158,80 @@ class TextTokenizer:
         token types 0 then 1 for BERT), truncated longest first, exactly as the tokenizer gives it.
 
         Longest first: when the first text (a query) has at most half of the room, it is kept whole
-        and the second text (a document) keeps the rest. The tokenizer gives each pair one thread,
-        so fewer pairs than cores are put together here from pieces (_pairs_in_pieces) where that
-        is known to give the same ids; the tokenizer encodes the rest whole, ASCII pairs normalized
-        here.
+        and the second text (a document) keeps the rest (_short_queries). Such a pair needs only as
+        much of its document as that rest, so only a cut of it is tokenized, as encode_cut cuts a
+        text: fewer pairs than cores are put together here from pieces of the cuts
+        (_pairs_in_pieces), as the tokenizer gives each pair one thread; more go to the tokenizer
+        as (query, cut) pairs (_pairs_with_cuts). The tokenizer encodes the rest whole, ASCII pairs
+        normalized here.
         """
         pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
         normal_forms = {text: self._bare_text(text) for pair in pairs for text in pair}  # a query recurs per pair
         bare = [(normal_forms[a], normal_forms[b]) for a, b in pairs]
         bare = [pair if None not in pair else None for pair in bare]
-        in_pieces = len(pairs) < CORES and self._pieces_safe
-        results = self._pairs_in_pieces(bare) if in_pieces else [None] * len(pairs)
-        rest = [i for i, result in enumerate(results) if result is None]
+        short = self._short_queries(bare) if self._bare is not None and self._cuts else {}
+        if not short:
+            results = {}
+        elif len(pairs) < CORES and self._pair_template is not None:
+            results = self._pairs_in_pieces(bare, short)
+        else:
+            results = self._pairs_with_cuts(bare, short)
+        rest = [i for i in range(len(pairs)) if i not in results]
         for rows, tokenizer, inputs in self._routes([bare[i] for i in rest], [pairs[i] for i in rest]):
             for row, encoding in zip(rows, tokenizer.encode_batch_fast(inputs)):
-                results[rest[row]] = (np.asarray(encoding.ids, dtype=np.int32),
-                                      np.asarray(encoding.type_ids, dtype=np.int32), bool(encoding.overflowing))
-        return Encoded(ids=[ids for ids, _, _ in results], truncated=[truncated for _, _, truncated in results],
-                       type_ids=[types for _, types, _ in results])
+                results[rest[row]] = _pair_result(encoding)
+        ordered = [results[i] for i in range(len(pairs))]
+        return Encoded(ids=[ids for ids, _, _ in ordered], truncated=[truncated for _, _, truncated in ordered],
+                       type_ids=[types for _, types, _ in ordered])
 
-    def _pairs_in_pieces(self, bare: list[tuple[str, str] | None]) -> list[tuple[np.ndarray, np.ndarray, bool] | None]:
-        """(ids, types, truncated) of each pair (in normal form; None: unknown) with a short query;
-        None for the rest.
-
-        Whole, five pairs of 512 tokens took 2.8 ms to tokenize on the H200 host, and 1.3 ms in
-        pieces (bench/results/gpu-2026-11-30-run25-tokenizer). Each document is cut as encode_cut
-        cuts a text, at CUT_CHARS_PER_TOKEN characters per token of the room the query leaves, and
-        the cuts are split at suitable spaces (see _cut) into about one piece per core, tokenized at
-        once. A document's pieces hold its cut's tokens, and a cut holds the whole document's first
-        tokens once it has more than the room; a cut with no more (and not whole) is left to the
-        tokenizer. The pair is the template's special tokens around the query and the kept tokens.
-        """
+    def _short_queries(self, bare: list[tuple[str, str] | None]) -> dict[int, ShortQuery]:
+        """A ShortQuery for each pair (in normal form; None: unknown) whose query has at most half of
+        the room."""
         usable = [i for i, pair in enumerate(bare) if pair is not None]
         queries = list(dict.fromkeys(bare[i][0] for i in usable))
         query_ids = dict(zip(queries, (np.asarray(e.ids, dtype=np.int32) for e in
                                        self._bare_pieces.encode_batch_fast(queries, add_special_tokens=False))))
         room = self.max_length - self.tokenizer.num_special_tokens_to_add(True)
-        cuts: dict[int, tuple[str, bool]] = {}  # pair -> (cut document, whether it is the whole document)
-        for i in usable:
-            query, document = bare[i]
-            if room > 0 and len(query_ids[query]) <= room // 2:
-                cut = _cut(document, (room - len(query_ids[query])) * CUT_CHARS_PER_TOKEN)
-                cuts[i] = cut, len(cut) == len(document)
-        document_ids = self._in_pieces(list(dict.fromkeys(cut for cut, _ in cuts.values())))
-        results: list[tuple[np.ndarray, np.ndarray, bool] | None] = [None] * len(bare)
-        for i, (cut, whole) in cuts.items():
-            query, document = query_ids[bare[i][0]], document_ids[cut]
-            left = room - len(query)
+        return {i: ShortQuery(query_ids[bare[i][0]], room - len(query_ids[bare[i][0]])) for i in usable
+                if room > 0 and len(query_ids[bare[i][0]]) <= room // 2}
+
+    def _pairs_in_pieces(self, bare: list[tuple[str, str] | None],
+                         short: dict[int, ShortQuery]) -> dict[int, PairResult]:
+        """The pairs of `short` put together here, where their documents' cuts tell; by pair.
+
+        Whole, five pairs of 512 tokens took 2.8 ms to tokenize on the H200 host, and 1.3 ms in
+        pieces (bench/results/gpu-2026-11-30-run25-tokenizer). Each document is cut at
+        CUT_CHARS_PER_TOKEN characters per token of the room its query leaves, and the cuts are split
+        at suitable spaces (see _cut) into about one piece per core, tokenized at once. A cut's
+        pieces hold its tokens, which are the whole document's first (see _cut); a cut with no more
+        than the room (and not whole) is left to the tokenizer. The pair is the template's special
+        tokens around the query and the kept tokens.
+        """
+        cuts = {i: _cut(bare[i][1], query.left * CUT_CHARS_PER_TOKEN) for i, query in short.items()}
+        document_ids = self._in_pieces(list(dict.fromkeys(cuts.values())))
+        results = {}
+        for i, query in short.items():
+            document, whole = document_ids[cuts[i]], len(cuts[i]) == len(bare[i][1])
             # A cut with exactly `left` tokens may be all the document has (a model that drops what it
             # cannot encode): only the tokenizer can say whether the pair was truncated.
-            if whole or len(document) > left:
-                ids, types = self._fill_template(query, document[:left])
-                results[i] = ids, types, len(document) > left
+            if whole or len(document) > query.left:
+                ids, types = self._fill_template(query.ids, document[:query.left])
+                results[i] = ids, types, len(document) > query.left
         return results
+
+    def _pairs_with_cuts(self, bare: list[tuple[str, str] | None],
+                         short: dict[int, ShortQuery]) -> dict[int, PairResult]:
+        """The pairs of `short` as the tokenizer encodes each query with a cut of its document, widened
+        until the pair overflows or the cut is whole (_encode_cuts, as encode_cut does); by pair. An
+        overflowing pair lost tokens from the cut only, as the whole pair does from the whole document.
+
+        The tokenizer's work grows with the whole document: 50 pairs of the rerank benchmark's
+        documents (970 tokens on average, 497 kept) took 18.0 ms whole and 12.0 ms cut on two cores.
+        """
+        rows = list(short)
+        encodings = _encode_cuts(self._bare, [bare[i][1] for i in rows],
+                                 [short[i].left * CUT_CHARS_PER_TOKEN for i in rows], [bare[i][0] for i in rows])
+        return {i: _pair_result(encoding) for i, encoding in zip(rows, encodings)}
 
     def _in_pieces(self, texts: list[str]) -> dict[str, np.ndarray]:
         """Each text's ids without special tokens, its pieces tokenized in parallel."""
@@ -230,17 +266,25 @@ def encode_cut(tokenizer: Tokenizer, texts: list[str], max_length: int, cut: boo
     """
     if not cut:
         return tokenizer.encode_batch_fast(texts)
+    return _encode_cuts(tokenizer, texts, [max_length * CUT_CHARS_PER_TOKEN] * len(texts))
+
+
+def _encode_cuts(tokenizer: Tokenizer, texts: list[str], limits: list[int],
+                 firsts: list[str] | None = None) -> list[Encoding]:
+    """Each text's encoding, from its cut at its limit (see _cut), cut again at twice the limit until
+    the encoding overflows or the cut is whole; as the second of a pair with firsts' text, when given."""
     encodings: list[Encoding | None] = [None] * len(texts)
-    pending, limit = list(range(len(texts))), max_length * CUT_CHARS_PER_TOKEN
+    pending, scale = list(range(len(texts))), 1
     while pending:
-        cuts = [_cut(texts[i], limit) for i in pending]
+        cuts = [_cut(texts[i], limits[i] * scale) for i in pending]
+        inputs = cuts if firsts is None else [(firsts[i], cut) for i, cut in zip(pending, cuts)]
         retry = []
-        for i, cut_text, encoding in zip(pending, cuts, tokenizer.encode_batch_fast(cuts)):
-            if encoding.overflowing or len(cut_text) == len(texts[i]):
+        for i, cut, encoding in zip(pending, cuts, tokenizer.encode_batch_fast(inputs)):
+            if encoding.overflowing or len(cut) == len(texts[i]):
                 encodings[i] = encoding
             else:
                 retry.append(i)
-        pending, limit = retry, limit * 2
+        pending, scale = retry, scale * 2
     return encodings
 
 

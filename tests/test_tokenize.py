@@ -8,6 +8,7 @@ NFKC (XLM-R); the last two are trained here on the sample corpus, as no such tok
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -128,12 +129,14 @@ def test_cut_texts_give_the_whole_texts_tokens(tokenizers_dir: Path, monkeypatch
 
 @pytest.mark.parametrize("kind", ["wordpiece", "bpe", "qwen", "bpe-whole", "unigram"])
 @pytest.mark.parametrize("chars_per_token", [2, 3, 4, CUT_CHARS_PER_TOKEN])
+@pytest.mark.parametrize("cores", [10_000, 1], ids=["pieces", "tokenizer-pairs"])
 def test_pairs_with_cut_documents_give_the_whole_pairs_tokens(tokenizers_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              kind: str, chars_per_token: int) -> None:
+                                                              kind: str, chars_per_token: int, cores: int) -> None:
     """Short queries (documents cut), queries near half the room, and long queries (both sides
-    truncated: encoded whole), each against every document."""
+    truncated: encoded whole), each against every document; with fewer pairs than cores the pairs are
+    put together here from pieces, with more the tokenizer encodes (query, cut) pairs."""
     monkeypatch.setattr(tokenize, "CUT_CHARS_PER_TOKEN", chars_per_token)
-    monkeypatch.setattr(tokenize, "CORES", 10_000)  # every call has fewer pairs than cores: pairs are put together here
+    monkeypatch.setattr(tokenize, "CORES", cores)
     path = tokenizer_path(kind, tokenizers_dir)
     max_length = 64
     docs = corpus_texts()[:80] + awkward_texts(max_length)
@@ -151,6 +154,28 @@ def test_pairs_with_cut_documents_give_the_whole_pairs_tokens(tokenizers_dir: Pa
     assert sum(len(doc.strip()) > max_length * chars_per_token for doc in docs) > 50  # many were cut
 
 
+def test_more_pairs_than_cores_tokenize_only_their_documents_cuts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short query against long ASCII documents, one pair per core and more: the tokenizer encodes
+    (query, cut) pairs, widening the cuts of code that has more than five characters per token, and
+    never a whole document; the ids are the whole pairs' ids."""
+    monkeypatch.setattr(tokenize, "CORES", 1)
+    path, max_length, query = resolve_model(None).tokenizer_file, 64, "how do I read a file"
+    docs = [text for text in corpus_texts() if text.isascii() and len(text) > 4 * max_length * CUT_CHARS_PER_TOKEN][:12]
+    expected = whole_tokenizer(path, max_length).encode_batch_fast([(query, doc.strip()) for doc in docs])
+    tokenizer = TextTokenizer(path, max_length)
+    tokenizer._bare_pieces  # noqa: B018 - makes the copy that counts the query's tokens, before the wrapping below
+    tokenizer.tokenizer, tokenizer._bare = CountingTokenizer(tokenizer.tokenizer), CountingTokenizer(tokenizer._bare)
+
+    encoded = tokenizer.encode_pairs([query] * len(docs), docs)
+
+    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
+    assert encoded.truncated == [True] * len(docs) == [bool(e.overflowing) for e in expected]
+    assert len(docs) == 12 and tokenizer.tokenizer.calls == []
+    first, *widened = tokenizer._bare.calls
+    assert len(first) == len(docs) and widened  # some cuts were too short and were widened
+    assert max(itertools.chain(*tokenizer._bare.calls)) < len(query) + min(len(doc.strip()) for doc in docs)
+
+
 class CountingTokenizer:
     """Passes every call to the real tokenizer and keeps the lengths of the texts (or pairs) it encoded."""
 
@@ -158,7 +183,7 @@ class CountingTokenizer:
         self.real, self.calls = real, []
 
     def encode_batch_fast(self, texts: list, **options: bool) -> list:
-        self.calls.append([len(text) for text in texts])
+        self.calls.append([len(text) if isinstance(text, str) else sum(map(len, text)) for text in texts])
         return self.real.encode_batch_fast(texts, **options)
 
     def __getattr__(self, name: str) -> object:

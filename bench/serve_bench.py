@@ -3,7 +3,10 @@
 Both servers run in their own subprocess on a loopback port and answer the same POST /v1/embeddings
 (texts in, base64 float32 vectors out, as the openai client asks by default), so tokenization, JSON
 and HTTP are inside every figure. Clients are separate processes (no shared GIL), each with one
-keep-alive connection, sending its next request when the previous one is answered.
+keep-alive connection, sending its next request when the previous one is answered. They speak raw
+HTTP/1.1 over a socket (RawClient), as load generators such as wrk do, so a latency is the server's
+and the loopback's, not the client library's: one point is also measured with httpx, whose own work
+per request is part of its figure (`--client httpx` uses it everywhere).
   concurrency  1, 2, 4, 8, 16 clients; one short query (~16 tokens) or one 512-token document per
                request: p50/p99 latency, requests/s, tokens/s, errors
   batch        4 client processes sending requests of 100 corpus documents: tokens/s, against the
@@ -25,6 +28,7 @@ import argparse
 import base64
 import json
 import multiprocessing
+import re
 import signal
 import socket
 import subprocess
@@ -39,6 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 CLIENTS = (1, 2, 4, 8, 16)
 QUERY_TOKENS, DOC_TOKENS, MAX_LENGTH = 16, 512, 512
 BATCH_PROCESSES, BATCH_DOCS = 4, 100
+CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length: *(\d+)")
+TOTAL_TOKENS = re.compile(rb'"total_tokens": *(\d+)')
 
 
 def main() -> None:
@@ -77,6 +83,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench-out/serve_bench"), help="directory for results.json and report.md")
     parser.add_argument("--smoke", action="store_true", help="tiny counts (10-document batches) on any device: checks the script")
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="measure embedctl only")
+    parser.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                        help="the clients' HTTP: raw HTTP/1.1 on a socket (default) or the httpx library")
     parser.add_argument("--also", action="append", default=[], metavar="FLAGS",
                         help="also measure embedctl serve with these extra flags, e.g. --also='--no-warmup' (repeatable)")
     parser.add_argument("--peer-port", type=int, default=None, help=argparse.SUPPRESS)  # run as the peer server
@@ -182,10 +190,15 @@ def run_suites(args: argparse.Namespace, url: str, query: str, document: str, co
     for kind, text, requests in (("query", query, args.requests), ("doc512", document, max(args.requests // 4, 5))):
         for clients in CLIENTS[:2] if args.smoke else CLIENTS:
             body = json.dumps({"input": [text], "encoding_format": "base64"}).encode()
-            point = measure(url, [[body]] * clients, requests, warmup=2 if args.smoke else 20)
-            out["concurrency"].append({"kind": kind, "clients": clients, **point})
-            print(f"  {kind:7} {clients:2} clients: p50 {point['p50_ms']:.2f} ms, p99 {point['p99_ms']:.2f} ms, "
-                  f"{point['requests_per_s']:.0f} req/s, {point['errors']} errors, graph captures / eager runs {stalls(point)}", flush=True)
+            points = [(kind, args.client)]
+            if (kind, clients, args.client) == ("query", 1, "raw"):  # what a client library adds, for the record
+                points.append(("query, httpx client", "httpx"))
+            for label, http in points:
+                point = measure(url, [[body]] * clients, requests, warmup=2 if args.smoke else 20, http=http)
+                out["concurrency"].append({"kind": label, "clients": clients, **point})
+                print(f"  {label:7} {clients:2} clients: p50 {point['p50_ms']:.2f} ms, p99 {point['p99_ms']:.2f} ms, "
+                      f"{point['requests_per_s']:.0f} req/s, {point['errors']} errors, "
+                      f"graph captures / eager runs {stalls(point)}", flush=True)
     size = args.batch_docs
     bodies = []
     for process in range(BATCH_PROCESSES):
@@ -193,18 +206,19 @@ def run_suites(args: argparse.Namespace, url: str, query: str, document: str, co
         bodies.append([json.dumps({"input": docs[i: i + size], "encoding_format": "base64"}).encode()
                        for i in range(0, len(docs) - size + 1, size)])
     # every body once before timing: the same single pass over the corpus that the engine-alone figure had
-    out["batch"] = measure(url, bodies, args.batch_requests, warmup=max(len(b) for b in bodies))
+    out["batch"] = measure(url, bodies, args.batch_requests, warmup=max(len(b) for b in bodies), http=args.client)
     print(f"  batch   {BATCH_PROCESSES} x {size} docs: {out['batch']['tokens_per_s']:,.0f} tokens/s, "
           f"{out['batch']['errors']} errors", flush=True)
     return out
 
 
-def measure(url: str, bodies: list[list[bytes]], requests: int, warmup: int) -> dict:
-    """One client process per entry of bodies, cycling through its bodies; all start together."""
+def measure(url: str, bodies: list[list[bytes]], requests: int, warmup: int, http: str) -> dict:
+    """One client process per entry of bodies, cycling through its bodies; all start together. http: "raw" or "httpx"."""
     context = multiprocessing.get_context("spawn")
     warmed, go = context.Barrier(len(bodies) + 1), context.Barrier(len(bodies) + 1)
     results = context.Queue()
-    workers = [context.Process(target=client, args=(url, mine, requests, warmup, warmed, go, results)) for mine in bodies]
+    workers = [context.Process(target=client, args=(url, mine, requests, warmup, warmed, go, results, http))
+               for mine in bodies]
     for worker in workers:
         worker.start()
     warmed.wait()
@@ -236,23 +250,82 @@ def graph_counts(url: str) -> dict[str, int]:
     return counts
 
 
-def client(url: str, bodies: list[bytes], requests: int, warmup: int, warmed, go, results) -> None:
+def client(url: str, bodies: list[bytes], requests: int, warmup: int, warmed, go, results, http: str) -> None:
     """Send `warmup` requests untimed, meet the others at both barriers, then `requests` back to back."""
     latencies, tokens, errors = [], 0, 0
-    with httpx.Client(base_url=url, timeout=300, headers={"Content-Type": "application/json"}) as http:
+    with (RawClient if http == "raw" else HttpxClient)(url) as post:
         for i in range(warmup):
-            http.post("/v1/embeddings", content=bodies[i % len(bodies)])
+            post(bodies[i % len(bodies)])
         warmed.wait()
         go.wait()
         for i in range(requests):
             started = time.perf_counter()
-            reply = http.post("/v1/embeddings", content=bodies[i % len(bodies)])
+            status, reply = post(bodies[i % len(bodies)])
             latencies.append(time.perf_counter() - started)
-            if reply.status_code == 200:
-                tokens += reply.json()["usage"]["total_tokens"]
+            if status == 200:
+                tokens += int(TOTAL_TOKENS.search(reply)[1])
             else:
                 errors += 1
     results.put({"latencies": np.array(latencies), "tokens": tokens, "errors": errors})
+
+
+def post_request(body: bytes) -> bytes:
+    """A whole HTTP/1.1 POST /v1/embeddings of a JSON body, as RawClient sends it."""
+    return (f"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+class RawClient:
+    """One keep-alive HTTP/1.1 connection: called with a JSON body, it posts it to /v1/embeddings and
+    returns (status, reply body), reading the reply by its Content-Length (the servers here send one)."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.address = host, int(port)
+        self.requests: dict[bytes, bytes] = {}
+
+    def __enter__(self) -> RawClient:
+        self.sock = socket.create_connection(self.address)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.sock.close()
+
+    def __call__(self, body: bytes) -> tuple[int, bytes]:
+        if body not in self.requests:
+            self.requests[body] = post_request(body)
+        self.sock.sendall(self.requests[body])
+        reply = b""
+        while (head_end := reply.find(b"\r\n\r\n")) < 0:
+            reply += self.receive()
+        end = head_end + 4 + int(CONTENT_LENGTH.search(reply, 0, head_end + 2)[1])
+        while len(reply) < end:
+            reply += self.receive()
+        return int(reply[9:12]), reply[head_end + 4:end]
+
+    def receive(self) -> bytes:
+        chunk = self.sock.recv(1 << 20)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        return chunk
+
+
+class HttpxClient:
+    """RawClient's calls through an httpx.Client."""
+
+    def __init__(self, url: str) -> None:
+        self.http = httpx.Client(base_url=url, timeout=300, headers={"Content-Type": "application/json"})
+
+    def __enter__(self) -> HttpxClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.http.close()
+
+    def __call__(self, body: bytes) -> tuple[int, bytes]:
+        reply = self.http.post("/v1/embeddings", content=body)
+        return reply.status_code, reply.content
 
 
 def run_peer(model: Path, port: int) -> None:

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.serve_bench import Served
+from bench.serve_bench import CONTENT_LENGTH, TOTAL_TOKENS, Served, post_request
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_BERT = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -47,8 +46,6 @@ TINY_BERT = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, int
 MAX_LENGTH, MAX_BATCH_TOKENS = 512, 16384  # serve_bench's max length; the GPU's default token budget
 QUERY = "how do I read a parquet file into a table"
 CLIENTS, BATCH_CONNECTIONS, BATCH_DOCS = 16, 4, 100
-CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length: *(\d+)")
-TOTAL_TOKENS = re.compile(rb'"total_tokens": *(\d+)')
 
 
 def main() -> None:
@@ -64,8 +61,8 @@ def main() -> None:
         command = [sys.executable, "-m", "embedctl.cli", "serve", "--port", "{port}", "--device", "cpu", "--model",
                    str(model), "--max-length", str(MAX_LENGTH), "--max-batch-tokens", str(MAX_BATCH_TOKENS)]
         server = Served(command)
-        with server as url, ProcessPoolExecutor(1, mp_context=get_context("spawn")) as clients:
-            port = int(url.rsplit(":", 1)[1])
+        with server, ProcessPoolExecutor(1, mp_context=get_context("spawn")) as clients:
+            port = server.port
             suites = {"single": ([[query_body]], args.requests, 200),
                       "clients": ([[query_body]] * CLIENTS, args.requests // 4, 50),
                       "batch": ([batch_bodies[n::BATCH_CONNECTIONS] for n in range(BATCH_CONNECTIONS)],
@@ -168,8 +165,7 @@ async def _drive(port: int, pid: int, bodies: list[list[bytes]], requests: int, 
 
     async def connection(number: int, mine: list[bytes]) -> tuple[list[float], int, int]:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        heads = [f"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body for body in mine]
+        heads = [post_request(body) for body in mine]
         latencies, tokens, errors = [], 0, 0
 
         async def post(i: int) -> bytes | None:

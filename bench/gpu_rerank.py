@@ -1,7 +1,7 @@
 """The low-latency ranking suite: a cross-encoder scoring 5, 25 and 50 (query, document) pairs of 512 tokens.
 
 Ours: pipelines.score.pair_scores, the path `embedctl score --reranker` runs (pairs tokenized in
-groups that double, each enqueued at once so tokenizing overlaps the device; CUDA graphs, pinned
+groups of one per core, each enqueued at once so tokenizing overlaps the device; CUDA graphs, pinned
 readback); beside it, its two parts alone: the tokenizer in the same groups, and the model on the
 pairs tokenized beforehand. Peer: sentence-transformers' CrossEncoder.predict on the same checkpoint
 and GPU, in fp16 and fp32 (its default). Both include tokenization and the copy of the scores to the

@@ -47,9 +47,8 @@ TREC_RUN_TAG = "embedctl"
 QUERY_BLOCK = 4096
 # Queries whose (query, document) pairs are tokenized and reranked together: bounds the pairs in memory.
 RERANK_QUERY_BLOCK = 256
-# The first pairs tokenized and enqueued together when reranking; each later group is twice as large
-# (see pair_groups).
-FIRST_PAIR_GROUP = CORES
+# Pairs tokenized and enqueued together when reranking (see pair_groups): one per core.
+PAIR_GROUP = CORES
 _WHITESPACE = re.compile(r"\s")
 
 
@@ -415,20 +414,17 @@ def _queries_scored(progress: Progress, first: int, hits: list[int], total: int)
 
 
 def pair_groups(pairs: int) -> Iterator[tuple[int, int]]:
-    """(start, end) of each group of pairs tokenized together: FIRST_PAIR_GROUP pairs, then twice as
-    many each time, and what is left.
+    """(start, end) of each group of pairs tokenized together: PAIR_GROUP pairs each, the last what is left.
 
-    The tokenizer gives each pair of a group one core, or splits fewer pairs than cores into pieces
-    (TextTokenizer.encode_pairs), so the first group fills the cores and the device waits only for
-    it; each later group tokenizes while the device runs the one before. On the H200, 25 pairs took
-    9.4 ms this way (16 + 9; tokenizing alone 5.7, the model alone 4.7: bench/results/
-    gpu-2026-11-30-run29-rerank-groups) against 10.3 as one group (run28), and groups that started
-    at four pairs took 13.9 ms on a slower host (run25).
+    A group of one pair per core tokenizes in about the time of one pair (TextTokenizer.encode_pairs
+    gives fewer pairs than cores all the cores, in pieces). Each group is enqueued at once, so the
+    device runs it while the next one tokenizes, and waits only for the first. On the H200 the host
+    tokenizes 16 pairs of 512 tokens in about 3.3 ms and the device scores them in 2.8, so groups that
+    doubled (16, 32, 2 of 50 pairs) left the device idle while the second tokenized: 50 pairs took
+    15.1 ms that way and 14.2-14.4 in groups of 16 (bench/results/gpu-2026-11-30-run68-rerank-groups).
     """
-    start, group = 0, FIRST_PAIR_GROUP
-    while start < pairs:
-        yield start, min(start + group, pairs)
-        start, group = start + group, group * 2
+    for start in range(0, pairs, PAIR_GROUP):
+        yield start, min(start + PAIR_GROUP, pairs)
 
 
 def document_texts(inputs: Inputs, wanted: set[str]) -> dict[str, str]:

@@ -311,7 +311,7 @@ def test_rerank_orders_by_the_transformers_cross_encoder(sample_ranking: tuple[Q
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
-    monkeypatch.setattr(score, "FIRST_PAIR_GROUP", 1)  # groups of 1, 2, 4, ... pairs
+    monkeypatch.setattr(score, "PAIR_GROUP", 2)  # several groups of pairs
     queries, ranking = sample_ranking
     reranker = embedctl.load(str(cross_encoder), device="cpu")
     texts = {row["id"]: row["text"] for row in _sample_docs()}
@@ -328,11 +328,10 @@ def test_rerank_orders_by_the_transformers_cross_encoder(sample_ranking: tuple[Q
     assert reranked.reranked == 3 * len(queries.ids) and reranked.scores.shape == (len(queries.ids), 2)
 
 
-@pytest.mark.parametrize(("pairs", "sizes"), [(0, []), (1, [1]), (4, [4]), (5, [4, 1]), (12, [4, 8]), (25, [4, 8, 13]),
-                                              (50, [4, 8, 16, 22]), (60, [4, 8, 16, 32])])
-def test_pair_groups_double_from_the_first(monkeypatch: pytest.MonkeyPatch, pairs: int,
-                                                                     sizes: list[int]) -> None:
-    monkeypatch.setattr(score, "FIRST_PAIR_GROUP", 4)
+@pytest.mark.parametrize(("pairs", "sizes"), [(0, []), (1, [1]), (4, [4]), (5, [4, 1]), (12, [4, 4, 4]),
+                                              (14, [4, 4, 4, 2])])
+def test_pair_groups_hold_one_pair_per_core_each(monkeypatch: pytest.MonkeyPatch, pairs: int, sizes: list[int]) -> None:
+    monkeypatch.setattr(score, "PAIR_GROUP", 4)
 
     groups = list(pair_groups(pairs))
 

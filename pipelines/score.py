@@ -47,8 +47,10 @@ TREC_RUN_TAG = "embedctl"
 QUERY_BLOCK = 4096
 # Queries whose (query, document) pairs are tokenized and reranked together: bounds the pairs in memory.
 RERANK_QUERY_BLOCK = 256
-# Pairs tokenized and enqueued together when reranking (see pair_groups): one per core.
+# Pairs tokenized and enqueued together when reranking (see pair_groups): one per core, in the first
+# EVEN_PAIR_GROUPS groups; each later group is twice the one before.
 PAIR_GROUP = CORES
+EVEN_PAIR_GROUPS = 4
 _WHITESPACE = re.compile(r"\s")
 
 
@@ -414,17 +416,24 @@ def _queries_scored(progress: Progress, first: int, hits: list[int], total: int)
 
 
 def pair_groups(pairs: int) -> Iterator[tuple[int, int]]:
-    """(start, end) of each group of pairs tokenized together: PAIR_GROUP pairs each, the last what is left.
+    """(start, end) of each group of pairs tokenized together: EVEN_PAIR_GROUPS groups of PAIR_GROUP
+    pairs, then groups that double, the last what is left.
 
-    A group of one pair per core tokenizes in about the time of one pair (TextTokenizer.encode_pairs
-    gives fewer pairs than cores all the cores, in pieces). Each group is enqueued at once, so the
-    device runs it while the next one tokenizes, and waits only for the first. On the H200 the host
-    tokenizes 16 pairs of 512 tokens in about 3.3 ms and the device scores them in 2.8, so groups that
-    doubled (16, 32, 2 of 50 pairs) left the device idle while the second tokenized: 50 pairs took
-    15.1 ms that way and 14.2-14.4 in groups of 16 (bench/results/gpu-2026-11-30-run68-rerank-groups).
+    Each group is enqueued at once (its last step flushed below the token budget), so the device runs
+    it while the next one tokenizes, and waits only for the first. A group of one pair per core
+    tokenizes in about the time of one pair, each pair on a core of its own. On the H200 the host
+    tokenizes 16 pairs of 512 tokens in about 3.3 ms and the device scores them in 2.8, so for one
+    query's hits the groups stay that size: groups that doubled (16, 32, 2 of 50 pairs) left the device
+    idle while the second tokenized, 15.1 ms against 14.2-14.4 in groups of 16 (bench/results/
+    gpu-2026-11-30-run68-rerank-groups). Past them, the many queries of a block rerank in groups that
+    grow, so that their steps fill the token budget rather than stopping at a group's end.
     """
-    for start in range(0, pairs, PAIR_GROUP):
-        yield start, min(start + PAIR_GROUP, pairs)
+    start, group, groups = 0, PAIR_GROUP, 0
+    while start < pairs:
+        yield start, min(start + group, pairs)
+        start, groups = start + group, groups + 1
+        if groups >= EVEN_PAIR_GROUPS:
+            group *= 2
 
 
 def document_texts(inputs: Inputs, wanted: set[str]) -> dict[str, str]:

@@ -328,10 +328,12 @@ def test_rerank_orders_by_the_transformers_cross_encoder(sample_ranking: tuple[Q
     assert reranked.reranked == 3 * len(queries.ids) and reranked.scores.shape == (len(queries.ids), 2)
 
 
-@pytest.mark.parametrize(("pairs", "sizes"), [(0, []), (1, [1]), (4, [4]), (5, [4, 1]), (12, [4, 4, 4]),
-                                              (14, [4, 4, 4, 2])])
-def test_pair_groups_hold_one_pair_per_core_each(monkeypatch: pytest.MonkeyPatch, pairs: int, sizes: list[int]) -> None:
+@pytest.mark.parametrize(("pairs", "sizes"), [(0, []), (1, [1]), (4, [4]), (5, [4, 1]), (8, [4, 4]), (12, [4, 4, 4]),
+                                              (30, [4, 4, 8, 14]), (60, [4, 4, 8, 16, 28])])
+def test_pair_groups_hold_one_pair_per_core_then_double(monkeypatch: pytest.MonkeyPatch, pairs: int,
+                                                        sizes: list[int]) -> None:
     monkeypatch.setattr(score, "PAIR_GROUP", 4)
+    monkeypatch.setattr(score, "EVEN_PAIR_GROUPS", 2)
 
     groups = list(pair_groups(pairs))
 

@@ -160,10 +160,10 @@ class TextTokenizer:
         Longest first: when the first text (a query) has at most half of the room, it is kept whole
         and the second text (a document) keeps the rest (_short_queries). Such a pair needs only as
         much of its document as that rest, so only a cut of it is tokenized, as encode_cut cuts a
-        text: fewer pairs than cores are put together here from pieces of the cuts
-        (_pairs_in_pieces), as the tokenizer gives each pair one thread; more go to the tokenizer
-        as (query, cut) pairs (_pairs_with_cuts). The tokenizer encodes the rest whole, ASCII pairs
-        normalized here.
+        text. The tokenizer gives each pair one thread, so fewer pairs than cores are put together
+        here from pieces of the cuts (_pairs_in_pieces); as many as cores or more (or pairs whose
+        template is not known here) go to the tokenizer as (query, cut) pairs (_pairs_with_cuts).
+        The tokenizer encodes the rest whole, ASCII pairs normalized here.
         """
         pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
         normal_forms = {text: self._bare_text(text) for pair in pairs for text in pair}  # a query recurs per pair

@@ -33,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def main() -> None:
         return
     queries, documents, corpus = inputs(args)
     results: dict = {"device": device_name(), "model": str(args.minilm), "smoke": args.smoke, "batch_docs": args.batch_docs,
+                     "client": args.client,
                      "engine_model_only_tokens_per_s": engine_tokens_per_second(args.minilm, corpus),
                      "servers": {}}
     servers = {"embedctl": ours_command(args.minilm)}
@@ -221,12 +223,17 @@ def measure(url: str, bodies: list[list[bytes]], requests: int, warmup: int, htt
                for mine in bodies]
     for worker in workers:
         worker.start()
-    warmed.wait()
-    before = graph_counts(url)  # between the barriers: every client warmed up, none timing yet
-    go.wait()
+    try:
+        warmed.wait()
+        before = graph_counts(url)  # between the barriers: every client warmed up, none timing yet
+        go.wait()
+    except threading.BrokenBarrierError:
+        before = {}  # a client failed: its report follows
     started = time.perf_counter()
     outcomes = [results.get() for _ in workers]
     wall = time.perf_counter() - started
+    if failures := [o["failure"] for o in outcomes if "failure" in o]:
+        raise RuntimeError(f"{len(failures)} client(s) failed, first: {failures[0]}")
     after = graph_counts(url)
     for worker in workers:
         worker.join()
@@ -251,21 +258,28 @@ def graph_counts(url: str) -> dict[str, int]:
 
 
 def client(url: str, bodies: list[bytes], requests: int, warmup: int, warmed, go, results, http: str) -> None:
-    """Send `warmup` requests untimed, meet the others at both barriers, then `requests` back to back."""
+    """Send `warmup` requests untimed, meet the others at both barriers, then `requests` back to back.
+    A failure is put on `results` too, so measure() reports it rather than waiting for this client."""
     latencies, tokens, errors = [], 0, 0
-    with (RawClient if http == "raw" else HttpxClient)(url) as post:
-        for i in range(warmup):
-            post(bodies[i % len(bodies)])
-        warmed.wait()
-        go.wait()
-        for i in range(requests):
-            started = time.perf_counter()
-            status, reply = post(bodies[i % len(bodies)])
-            latencies.append(time.perf_counter() - started)
-            if status == 200:
-                tokens += int(TOTAL_TOKENS.search(reply)[1])
-            else:
-                errors += 1
+    try:
+        with (RawClient if http == "raw" else HttpxClient)(url) as post:
+            for i in range(warmup):
+                post(bodies[i % len(bodies)])
+            warmed.wait()
+            go.wait()
+            for i in range(requests):
+                started = time.perf_counter()
+                status, reply = post(bodies[i % len(bodies)])
+                latencies.append(time.perf_counter() - started)
+                if status == 200:
+                    tokens += int(TOTAL_TOKENS.search(reply)[1])
+                else:
+                    errors += 1
+    except Exception as error:  # noqa: BLE001 - handed to the parent process, which raises it
+        warmed.abort()  # the others and the parent stop waiting for this client
+        go.abort()
+        results.put({"failure": f"{type(error).__name__}: {error}"})
+        return
     results.put({"latencies": np.array(latencies), "tokens": tokens, "errors": errors})
 
 
@@ -285,21 +299,34 @@ class RawClient:
         self.requests: dict[bytes, bytes] = {}
 
     def __enter__(self) -> RawClient:
-        self.sock = socket.create_connection(self.address)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.connect()
         return self
 
     def __exit__(self, *_: object) -> None:
         self.sock.close()
 
+    def connect(self) -> None:
+        self.sock = socket.create_connection(self.address, timeout=300)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def __call__(self, body: bytes) -> tuple[int, bytes]:
         if body not in self.requests:
             self.requests[body] = post_request(body)
-        self.sock.sendall(self.requests[body])
+        try:
+            return self.exchange(self.requests[body])
+        except (ConnectionError, BrokenPipeError):  # uvicorn closes a connection idle for 5 s: open a new one
+            self.sock.close()
+            self.connect()
+            return self.exchange(self.requests[body])
+
+    def exchange(self, request: bytes) -> tuple[int, bytes]:
+        self.sock.sendall(request)
         reply = b""
         while (head_end := reply.find(b"\r\n\r\n")) < 0:
             reply += self.receive()
-        end = head_end + 4 + int(CONTENT_LENGTH.search(reply, 0, head_end + 2)[1])
+        if (length := CONTENT_LENGTH.search(reply, 0, head_end + 2)) is None:
+            raise RuntimeError(f"a reply without Content-Length: {reply[:head_end]!r}")
+        end = head_end + 4 + int(length[1])
         while len(reply) < end:
             reply += self.receive()
         return int(reply[9:12]), reply[head_end + 4:end]
@@ -369,7 +396,8 @@ def stalls(point: dict) -> str:
 def render(results: dict) -> str:
     engine = results["engine_model_only_tokens_per_s"]
     lines = [f"`embedctl serve` vs sentence-transformers behind FastAPI on {results['device']} "
-             f"({Path(results['model']).name}{', smoke' if results['smoke'] else ''})", "",
+             f"({Path(results['model']).name}{', smoke' if results['smoke'] else ''}; "
+             f"{results.get('client', 'httpx')} HTTP clients)", "",
              "| requests | clients | server | p50 ms | p99 ms | req/s | tokens/s | errors | graph captures / eager runs while timed |",
              "|---|---|---|---|---|---|---|---|---|"]
     names = list(results["servers"])

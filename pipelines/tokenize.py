@@ -27,6 +27,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,20 @@ class ShortQuery:
 def _pair_result(encoding: Encoding) -> PairResult:
     return (np.asarray(encoding.ids, dtype=np.int32), np.asarray(encoding.type_ids, dtype=np.int32),
             bool(encoding.overflowing))
+
+
+def _encoded_pairs(results: dict[int, PairResult]) -> Encoded:
+    """Encoded from every pair's result, by pair index."""
+    ordered = [results[i] for i in range(len(results))]
+    return Encoded(ids=[ids for ids, _, _ in ordered], truncated=[truncated for _, _, truncated in ordered],
+                   type_ids=[types for _, types, _ in ordered])
+
+
+@functools.cache
+def _beside() -> ThreadPoolExecutor:
+    """A thread that tokenizes one batch while the caller tokenizes another: the library releases the
+    GIL while it works, and both batches share its pool of Rust threads."""
+    return ThreadPoolExecutor(1, thread_name_prefix="embedctl-tokenize-beside")
 
 
 class TextTokenizer:
@@ -163,7 +178,11 @@ class TextTokenizer:
         text. The tokenizer gives each pair one thread, so fewer pairs than cores are put together
         here from pieces of the cuts (_pairs_in_pieces); as many as cores or more (or pairs whose
         template is not known here) go to the tokenizer as (query, cut) pairs (_pairs_with_cuts).
-        The tokenizer encodes the rest whole, ASCII pairs normalized here.
+        The tokenizer encodes the rest whole, ASCII pairs normalized here, and those no cut could
+        serve (non-ASCII texts, long queries) on a thread beside the cuts: after them, a few such
+        pairs among a core's worth of cut ones took a round of the cores of their own, while the
+        device waited (50 pairs reranked in 14.6 ms that way on the H200, 11.9-12.1 this way:
+        bench/results/gpu-2026-11-30-run72-rerank-beside).
         """
         pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
         normal_forms = {text: self._bare_text(text) for pair in pairs for text in pair}  # a query recurs per pair
@@ -171,18 +190,26 @@ class TextTokenizer:
         bare = [pair if None not in pair else None for pair in bare]
         short = self._short_queries(bare) if self._bare is not None and self._cuts else {}
         if not short:
-            results = {}
-        elif len(pairs) < CORES and self._pair_template is not None:
+            return _encoded_pairs(self._pairs_whole(bare, pairs, range(len(pairs))))
+        uncut = [i for i in range(len(pairs)) if i not in short]
+        beside = _beside().submit(self._pairs_whole, bare, pairs, uncut) if uncut else None
+        if len(pairs) < CORES and self._pair_template is not None:
             results = self._pairs_in_pieces(bare, short)
         else:
             results = self._pairs_with_cuts(bare, short)
-        rest = [i for i in range(len(pairs)) if i not in results]
-        for rows, tokenizer, inputs in self._routes([bare[i] for i in rest], [pairs[i] for i in rest]):
-            for row, encoding in zip(rows, tokenizer.encode_batch_fast(inputs)):
-                results[rest[row]] = _pair_result(encoding)
-        ordered = [results[i] for i in range(len(pairs))]
-        return Encoded(ids=[ids for ids, _, _ in ordered], truncated=[truncated for _, _, truncated in ordered],
-                       type_ids=[types for _, types, _ in ordered])
+        results |= self._pairs_whole(bare, pairs, [i for i in short if i not in results])  # cuts that told nothing
+        if beside is not None:
+            results |= beside.result()
+        return _encoded_pairs(results)
+
+    def _pairs_whole(self, bare: list[tuple[str, str] | None], pairs: list[tuple[str, str]],
+                     rows: Sequence[int]) -> dict[int, PairResult]:
+        """The pairs of `rows` as the tokenizer encodes them whole (from their normal form when known); by pair."""
+        results = {}
+        for routed, tokenizer, inputs in self._routes([bare[i] for i in rows], [pairs[i] for i in rows]):
+            for row, encoding in zip(routed, tokenizer.encode_batch_fast(inputs)):
+                results[rows[row]] = _pair_result(encoding)
+        return results
 
     def _short_queries(self, bare: list[tuple[str, str] | None]) -> dict[int, ShortQuery]:
         """A ShortQuery for each pair (in normal form; None: unknown) whose query has at most half of

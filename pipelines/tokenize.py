@@ -97,9 +97,10 @@ def _encoded_pairs(results: dict[int, PairResult]) -> Encoded:
 
 @functools.cache
 def _beside() -> ThreadPoolExecutor:
-    """A thread that tokenizes one batch while the caller tokenizes another: the library releases the
-    GIL while it works, and both batches share its pool of Rust threads."""
-    return ThreadPoolExecutor(1, thread_name_prefix="embedctl-tokenize-beside")
+    """Threads that each tokenize one batch while their caller tokenizes another: the library releases
+    the GIL while it works, and both batches share its pool of Rust threads. One thread per caller
+    at once (a server's request threads), started as they are first needed."""
+    return ThreadPoolExecutor(CORES, thread_name_prefix="embedctl-tokenize-beside")
 
 
 class TextTokenizer:

@@ -88,9 +88,9 @@ def _pair_result(encoding: Encoding) -> PairResult:
             bool(encoding.overflowing))
 
 
-def _encoded_pairs(results: dict[int, PairResult]) -> Encoded:
-    """Encoded from every pair's result, by pair index."""
-    ordered = [results[i] for i in range(len(results))]
+def _encoded_pairs(results: dict[int, PairResult], pairs: int) -> Encoded:
+    """Encoded from each of `pairs` pairs' result, by pair index."""
+    ordered = [results[i] for i in range(pairs)]
     return Encoded(ids=[ids for ids, _, _ in ordered], truncated=[truncated for _, _, truncated in ordered],
                    type_ids=[types for _, types, _ in ordered])
 
@@ -98,9 +98,13 @@ def _encoded_pairs(results: dict[int, PairResult]) -> Encoded:
 @functools.cache
 def _beside() -> ThreadPoolExecutor:
     """Threads that each tokenize one batch while their caller tokenizes another: the library releases
-    the GIL while it works, and both batches share its pool of Rust threads. One thread per caller
-    at once (a server's request threads), started as they are first needed."""
+    the GIL while it works, and both batches share its pool of Rust threads. Up to CORES callers at
+    once (a server's request threads) each get one, started as they are first needed."""
     return ThreadPoolExecutor(CORES, thread_name_prefix="embedctl-tokenize-beside")
+
+
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads: it makes its own
+    os.register_at_fork(after_in_child=_beside.cache_clear)
 
 
 class TextTokenizer:
@@ -191,7 +195,7 @@ class TextTokenizer:
         bare = [pair if None not in pair else None for pair in bare]
         short = self._short_queries(bare) if self._bare is not None and self._cuts else {}
         if not short:
-            return _encoded_pairs(self._pairs_whole(bare, pairs, range(len(pairs))))
+            return _encoded_pairs(self._pairs_whole(bare, pairs, range(len(pairs))), len(pairs))
         uncut = [i for i in range(len(pairs)) if i not in short]
         beside = _beside().submit(self._pairs_whole, bare, pairs, uncut) if uncut else None
         if len(pairs) < CORES and self._pair_template is not None:
@@ -201,7 +205,7 @@ class TextTokenizer:
         results |= self._pairs_whole(bare, pairs, [i for i in short if i not in results])  # cuts that told nothing
         if beside is not None:
             results |= beside.result()
-        return _encoded_pairs(results)
+        return _encoded_pairs(results, len(pairs))
 
     def _pairs_whole(self, bare: list[tuple[str, str] | None], pairs: list[tuple[str, str]],
                      rows: Sequence[int]) -> dict[int, PairResult]:

@@ -28,6 +28,7 @@ import argparse
 import base64
 import json
 import multiprocessing
+import queue
 import re
 import signal
 import socket
@@ -229,8 +230,18 @@ def measure(url: str, bodies: list[list[bytes]], requests: int, warmup: int, htt
         go.wait()
     except threading.BrokenBarrierError:
         before = {}  # a client failed: its report follows
+    except BaseException:
+        warmed.abort()  # the clients stop waiting, report and exit
+        go.abort()
+        raise
     started = time.perf_counter()
-    outcomes = [results.get() for _ in workers]
+    outcomes = []
+    while len(outcomes) < len(workers):
+        try:
+            outcomes.append(results.get(timeout=5))
+        except queue.Empty:  # a client killed outright reports nothing
+            if dead := [worker.exitcode for worker in workers if worker.exitcode not in (None, 0)]:
+                raise RuntimeError(f"a client process died (exit code {dead[0]})") from None
     wall = time.perf_counter() - started
     if failures := [o["failure"] for o in outcomes if "failure" in o]:
         raise RuntimeError(f"{len(failures)} client(s) failed, first: {failures[0]}")
@@ -314,28 +325,37 @@ class RawClient:
             self.requests[body] = post_request(body)
         try:
             return self.exchange(self.requests[body])
-        except (ConnectionError, BrokenPipeError):  # uvicorn closes a connection idle for 5 s: open a new one
+        except ConnectionError:  # before any reply: uvicorn closes a connection idle for 5 s, so open a new one
             self.sock.close()
             self.connect()
             return self.exchange(self.requests[body])
 
     def exchange(self, request: bytes) -> tuple[int, bytes]:
         self.sock.sendall(request)
-        reply = b""
+        reply = self.receive(b"")
         while (head_end := reply.find(b"\r\n\r\n")) < 0:
-            reply += self.receive()
+            reply = self.receive(reply)
         if (length := CONTENT_LENGTH.search(reply, 0, head_end + 2)) is None:
             raise RuntimeError(f"a reply without Content-Length: {reply[:head_end]!r}")
         end = head_end + 4 + int(length[1])
         while len(reply) < end:
-            reply += self.receive()
+            reply = self.receive(reply)
         return int(reply[9:12]), reply[head_end + 4:end]
 
-    def receive(self) -> bytes:
-        chunk = self.sock.recv(1 << 20)
+    def receive(self, reply: bytes) -> bytes:
+        """The reply so far with the next bytes; a connection lost before any reply is a ConnectionError,
+        one lost in the middle of a reply a RuntimeError (a failure, not a closed idle connection)."""
+        try:
+            chunk = self.sock.recv(1 << 20)
+        except ConnectionError as error:
+            if reply:
+                raise RuntimeError(f"the connection broke in the middle of a reply ({error})") from None
+            raise
         if not chunk:
+            if reply:
+                raise RuntimeError("the server closed the connection in the middle of a reply")
             raise ConnectionError("the server closed the connection")
-        return chunk
+        return reply + chunk
 
 
 class HttpxClient:

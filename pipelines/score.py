@@ -423,10 +423,11 @@ def pair_groups(pairs: int) -> Iterator[tuple[int, int]]:
     it while the next one tokenizes, and waits only for the first. A group of one pair per core
     tokenizes in about the time of one pair, each pair on a core of its own. On the H200 the host
     tokenizes 16 pairs of 512 tokens in about 3.3 ms and the device scores them in 2.8, so the first
-    groups (64 pairs there: one query's hits, as a rule) stay that size: groups that doubled (16, 32, 2 of 50 pairs) left the device
-    idle while the second tokenized, 15.1 ms against 14.2-14.4 in groups of 16 (bench/results/
-    gpu-2026-11-30-run68-rerank-groups). Past them, the many queries of a block rerank in groups that
-    grow, so that their steps fill the token budget rather than stopping at a group's end.
+    groups (64 pairs there: one query's hits, as a rule) stay that size. Groups that doubled (16, 32,
+    2 of 50 pairs) left the device idle while the second tokenized: 15.1 ms against 14.2-14.4 in
+    groups of 16 (bench/results/gpu-2026-11-30-run68-rerank-groups). Past them, the many queries of a
+    block rerank in groups that grow, so that their steps fill the token budget rather than stopping
+    at a group's end.
     """
     start, group, groups = 0, PAIR_GROUP, 0
     while start < pairs:

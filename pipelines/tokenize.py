@@ -224,8 +224,9 @@ class TextTokenizer:
         query_ids = dict(zip(queries, (np.asarray(e.ids, dtype=np.int32) for e in
                                        self._bare_pieces.encode_batch_fast(queries, add_special_tokens=False))))
         room = self.max_length - self.tokenizer.num_special_tokens_to_add(True)
-        return {i: ShortQuery(query_ids[bare[i][0]], room - len(query_ids[bare[i][0]])) for i in usable
-                if room > 0 and len(query_ids[bare[i][0]]) <= room // 2}
+        short = {query: ShortQuery(ids, room - len(ids)) for query, ids in query_ids.items()
+                 if room > 0 and len(ids) <= room // 2}
+        return {i: short[bare[i][0]] for i in usable if bare[i][0] in short}
 
     def _pairs_in_pieces(self, bare: list[tuple[str, str] | None],
                          short: dict[int, ShortQuery]) -> dict[int, PairResult]:

@@ -6,8 +6,11 @@ many tokens were kept and whether the text was cut. Batch encoding runs in Rust 
 releases the GIL, so a pipeline thread can tokenize while the engine computes; its fast variant
 skips the character offsets nobody here reads.
 
-Three things spare the tokenizer work whose result would be thrown away, each only where it gives
-exactly the ids the library gives for the whole text (tests/test_tokenize.py):
+Four things spare the tokenizer work whose result would be thrown away, each only where it gives
+exactly the ids the library gives for the whole text (tests/test_tokenize.py, tests/test_wordpiece.py):
+- ASCII texts and pairs of BERT-style tokenizers (BertPreTokenizer, WordPiece) are split into words
+  here and each word's ids cached (pipelines/wordpiece.py): six times faster than the library on one
+  core, though under the GIL;
 - long texts, and pairs' long documents, are tokenized only as far as the kept tokens need
   (encode_cut, TextTokenizer.encode_pairs), for pre-tokenizers that split at spaces (cuts_at_spaces);
 - ASCII texts skip the library's normalizer, which keeps an alignment for every character and took
@@ -36,6 +39,7 @@ from tokenizers import Encoding, Tokenizer
 
 from engine.checkpoint import ModelFiles
 from engine.errors import UserError
+from pipelines.wordpiece import WordPieceWords
 
 # The prompt names sentence-transformers' encode_query / encode_document look for, in order.
 ROLE_PROMPTS = {"query": ("query",), "document": ("document", "passage", "corpus")}
@@ -126,7 +130,12 @@ class TextTokenizer:
         # Texts the normalizer would leave as they are go to a copy without it; pairs put together
         # here (needing a pair template) tokenize their pieces with a copy that does not truncate either
         # (_bare_pieces, made on the first pairs: a copy costs a tenth of a second, which index never needs).
-        self._pair_template = pair_template(_spec(self.tokenizer.post_processor))
+        post_processor = _spec(self.tokenizer.post_processor)
+        self._templates = {kind: template(post_processor, kind) for kind in ("single", "pair")}
+        self._room = {kind: max_length - self.tokenizer.num_special_tokens_to_add(kind == "pair")
+                      for kind in ("single", "pair")}
+        # ASCII texts in normal form skip the library for BERT-style tokenizers (pipelines/wordpiece.py)
+        self._words = WordPieceWords.of(self.tokenizer) if self._normalize is not None else None
         self._bare = None
         if self._normalize is not None:
             self._bare = self.tokenizer if self._no_normalizer else _without_normalizer(self.tokenizer)
@@ -148,12 +157,34 @@ class TextTokenizer:
         """Token ids of each text, truncated at max_length, exactly as the tokenizer gives them."""
         texts = [text.strip() for text in texts]
         bare = [self._bare_text(text) for text in texts]
-        encodings: list[Encoding | None] = [None] * len(texts)
-        for rows, tokenizer, inputs in self._routes(bare, texts):
+        results = [self._text_by_words(text) for text in bare]
+        rest = [row for row, result in enumerate(results) if result is None]
+        for rows, tokenizer, inputs in self._routes([bare[row] for row in rest], [texts[row] for row in rest]):
             for row, encoding in zip(rows, encode_cut(tokenizer, inputs, self.max_length, self._cuts)):
-                encodings[row] = encoding
-        return Encoded(ids=[np.asarray(e.ids, dtype=np.int32) for e in encodings],
-                       truncated=[bool(e.overflowing) for e in encodings])
+                results[rest[row]] = np.asarray(encoding.ids, dtype=np.int32), bool(encoding.overflowing)
+        return Encoded(ids=[ids for ids, _ in results], truncated=[truncated for _, truncated in results])
+
+    def _text_by_words(self, text: str | None) -> tuple[np.ndarray, bool] | None:
+        """A text's ids (normal form) and whether it was cut, word by word; None where that does not apply."""
+        room = self._room["single"]
+        if text is None or self._words is None or self._templates["single"] is None or room <= 0 or not text.isascii():
+            return None
+        ids = self._words.ids(text, room + 1)
+        return self._fill_template("single", ids[:room])[0], len(ids) > room
+
+    def _pair_by_words(self, pair: tuple[str, str] | None) -> PairResult | None:
+        """A pair's result (normal form) word by word, when its query is short (see encode_pairs); else None."""
+        room = self._room["pair"]
+        if (pair is None or self._words is None or self._templates["pair"] is None or room <= 0
+                or not (pair[0].isascii() and pair[1].isascii())):
+            return None
+        query = self._words.ids(pair[0], room // 2 + 1)
+        if len(query) > room // 2:
+            return None
+        left = room - len(query)
+        document = self._words.ids(pair[1], left + 1)
+        ids, types = self._fill_template("pair", query, document[:left])
+        return ids, types, len(document) > left
 
     def _routes(self, bare: list, inputs: list) -> list[tuple[list[int], Tokenizer, list]]:
         """Rows of inputs (texts or pairs) whose normal form `bare` holds, with the bare tokenizer and
@@ -178,7 +209,26 @@ class TextTokenizer:
         token types 0 then 1 for BERT), truncated longest first, exactly as the tokenizer gives it.
 
         Longest first: when the first text (a query) has at most half of the room, it is kept whole
-        and the second text (a document) keeps the rest (_short_queries). Such a pair needs only as
+        and the second text (a document) keeps the rest (_short_queries). Such ASCII pairs of a
+        BERT-style tokenizer are put together word by word (_pair_by_words); the others go to the
+        library (_pairs_by_library).
+        """
+        pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
+        normal_forms = {text: self._bare_text(text) for pair in pairs for text in pair}  # a query recurs per pair
+        bare = [(normal_forms[a], normal_forms[b]) for a, b in pairs]
+        bare = [pair if None not in pair else None for pair in bare]
+        results = {i: result for i, pair in enumerate(bare) if (result := self._pair_by_words(pair)) is not None}
+        rest = [i for i in range(len(pairs)) if i not in results]
+        if rest:
+            by_library = self._pairs_by_library([pairs[i] for i in rest], [bare[i] for i in rest])
+            results |= {rest[row]: result for row, result in by_library.items()}
+        return _encoded_pairs(results, len(pairs))
+
+    def _pairs_by_library(self, pairs: list[tuple[str, str]],
+                          bare: list[tuple[str, str] | None]) -> dict[int, PairResult]:
+        """The pairs (and their normal forms, None where unknown) through the tokenizer; by pair.
+
+        A pair whose query is short needs only as
         much of its document as that rest, so only a cut of it is tokenized, as encode_cut cuts a
         text. The tokenizer gives each pair one thread, so fewer pairs than cores are put together
         here from pieces of the cuts (_pairs_in_pieces); as many as cores or more (or pairs whose
@@ -189,23 +239,19 @@ class TextTokenizer:
         device waited (50 pairs reranked in 14.6 ms that way on the H200, 11.9-12.1 this way:
         bench/results/gpu-2026-11-30-run72-rerank-beside).
         """
-        pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
-        normal_forms = {text: self._bare_text(text) for pair in pairs for text in pair}  # a query recurs per pair
-        bare = [(normal_forms[a], normal_forms[b]) for a, b in pairs]
-        bare = [pair if None not in pair else None for pair in bare]
         short = self._short_queries(bare) if self._bare is not None and self._cuts else {}
         if not short:
-            return _encoded_pairs(self._pairs_whole(bare, pairs, range(len(pairs))), len(pairs))
+            return self._pairs_whole(bare, pairs, range(len(pairs)))
         uncut = [i for i in range(len(pairs)) if i not in short]
         beside = _beside().submit(self._pairs_whole, bare, pairs, uncut) if uncut else None
-        if len(pairs) < CORES and self._pair_template is not None:
+        if len(pairs) < CORES and self._templates["pair"] is not None:
             results = self._pairs_in_pieces(bare, short)
         else:
             results = self._pairs_with_cuts(bare, short)
         results |= self._pairs_whole(bare, pairs, [i for i in short if i not in results])  # cuts that told nothing
         if beside is not None:
             results |= beside.result()
-        return _encoded_pairs(results, len(pairs))
+        return results
 
     def _pairs_whole(self, bare: list[tuple[str, str] | None], pairs: list[tuple[str, str]],
                      rows: Sequence[int]) -> dict[int, PairResult]:
@@ -248,7 +294,7 @@ class TextTokenizer:
             # A cut with exactly `left` tokens may be all the document has (a model that drops what it
             # cannot encode): only the tokenizer can say whether the pair was truncated.
             if whole or len(document) > query.left:
-                ids, types = self._fill_template(query.ids, document[:query.left])
+                ids, types = self._fill_template("pair", query.ids, document[:query.left])
                 results[i] = ids, types, len(document) > query.left
         return results
 
@@ -277,11 +323,12 @@ class TextTokenizer:
         return {text: np.asarray(list(itertools.chain.from_iterable(part)), dtype=np.int32)
                 for text, part in parts.items()}
 
-    def _fill_template(self, first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        sequences = {"A": first, "B": second}
-        segments = [sequences[part] if isinstance(part, str) else part for part, _ in self._pair_template]
-        types = [np.full(len(segment), type_id, dtype=np.int32)
-                 for segment, (_, type_id) in zip(segments, self._pair_template)]
+    def _fill_template(self, kind: str, *sequences: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The ids and token types of the `kind` template ("single" or "pair") around the sequences' ids."""
+        layout = self._templates[kind]
+        named = dict(zip("AB", sequences))
+        segments = [named[part] if isinstance(part, str) else part for part, _ in layout]
+        types = [np.full(len(segment), type_id, dtype=np.int32) for segment, (_, type_id) in zip(segments, layout)]
         return np.concatenate(segments).astype(np.int32, copy=False), np.concatenate(types)
 
 
@@ -384,25 +431,26 @@ def _apply(steps: list[Callable[[str], str]], text: str) -> str:
     return text
 
 
-def pair_template(spec: dict | None) -> Template | None:
-    """How the tokenizer's post-processor lays out a pair: "A", "B" and special-token ids, each with
-    its token type. None for any other post-processor, for none, and for a template that does not
-    hold A then B once each (their pairs are encoded whole)."""
+def template(spec: dict | None, kind: str) -> Template | None:
+    """How the tokenizer's post-processor lays out a "single" text or a "pair": "A" (and "B") and
+    special-token ids, each with its token type. None for any other post-processor, for none, and
+    for a template that does not hold A (then B) once each (such texts go to the tokenizer)."""
     if spec is None:
         return None
     if spec["type"] == "BertProcessing":
         cls, sep = np.array([spec["cls"][1]], dtype=np.int32), np.array([spec["sep"][1]], dtype=np.int32)
-        return [(cls, 0), ("A", 0), (sep, 0), ("B", 1), (sep, 1)]
+        return [(cls, 0), ("A", 0), (sep, 0)] + ([("B", 1), (sep, 1)] if kind == "pair" else [])
     if spec["type"] != "TemplateProcessing":
         return None
-    template: Template = []
-    for item in spec["pair"]:
+    layout: Template = []
+    for item in spec[kind]:
         if "Sequence" in item:
-            template.append((item["Sequence"]["id"], item["Sequence"]["type_id"]))
+            layout.append((item["Sequence"]["id"], item["Sequence"]["type_id"]))
         else:
             ids = spec["special_tokens"][item["SpecialToken"]["id"]]["ids"]
-            template.append((np.array(ids, dtype=np.int32), item["SpecialToken"]["type_id"]))
-    return template if [part for part, _ in template if isinstance(part, str)] == ["A", "B"] else None
+            layout.append((np.array(ids, dtype=np.int32), item["SpecialToken"]["type_id"]))
+    expected = ["A", "B"] if kind == "pair" else ["A"]
+    return layout if [part for part, _ in layout if isinstance(part, str)] == expected else None
 
 
 def _without_normalizer(tokenizer: Tokenizer) -> Tokenizer:

@@ -33,12 +33,12 @@ import pyarrow as pa
 import torch
 
 from engine import Engine, EngineConfig, LazyTensor, ModelSpec
-from engine.batch import Packer
+from engine.batch import PackedBatch, Packer
 from engine.errors import UserError, short_reason
 from pipelines.progress import Progress, plural
 from pipelines.qrels import CUTOFF, Metrics, Qrels, evaluate, read_qrels
 from pipelines.readers import Chunk, CorpusReader
-from pipelines.tokenize import CORES, TextTokenizer, resolve_prompt
+from pipelines.tokenize import TextTokenizer, resolve_prompt
 from pipelines.writers import database_tables
 
 FORMATS = ("jsonl", "trec")
@@ -47,10 +47,13 @@ TREC_RUN_TAG = "embedctl"
 QUERY_BLOCK = 4096
 # Queries whose (query, document) pairs are tokenized and reranked together: bounds the pairs in memory.
 RERANK_QUERY_BLOCK = 256
-# Pairs tokenized and enqueued together when reranking (see pair_groups): one per core, in the first
+# Pairs tokenized together when reranking (see pair_groups): PAIR_GROUP in each of the first
 # EVEN_PAIR_GROUPS groups; each later group is twice the one before.
-PAIR_GROUP = CORES
+PAIR_GROUP = 2
 EVEN_PAIR_GROUPS = 4
+# Steps a reranker's device may have queued before the pairs tokenized since are held back for a
+# larger step (see pair_scores).
+QUEUED_STEPS = 2
 _WHITESPACE = re.compile(r"\s")
 
 
@@ -365,9 +368,13 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
                 scored: Callable[[int], None] | None = None) -> np.ndarray:
     """A cross-encoder's score for each (first, second) pair, float32 [pairs].
 
-    For a handful of long pairs, tokenizing costs as much as the model. So the pairs are tokenized
-    in groups (pair_groups), each enqueued at once in steps under the token budget, and the
-    tokenizer works on the next group while the device runs this one.
+    For a handful of long pairs, tokenizing costs about as much as the model. So the pairs are
+    tokenized in small groups (pair_groups), and the device is given the pairs tokenized so far as
+    soon as it has fewer than QUEUED_STEPS steps left to run: the first step starts after the first
+    group, and while the device is busy the next groups gather into one larger step, which the
+    device runs faster per pair. A step also leaves when it fills the token budget, and the last
+    group's pairs leave at once. On the CPU a step is done before step() returns, so each group is
+    a step.
 
     scored, when given, hears how many pairs (from the first) have their scores, each time that grows.
     For it, the results already ready are taken between steps, in order and without waiting on any, so
@@ -386,15 +393,17 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
             if scored is not None:
                 scored(done)
 
+    def enqueue(batch: PackedBatch | None) -> None:
+        if batch is not None:
+            pending.append(reranker.step(batch))
+            take(wait=False)
+
     for start, end in pair_groups(len(firsts)):
         encoded = tokenizer.encode_pairs(firsts[start:end], seconds[start:end])
         for ids, types in zip(encoded.ids, encoded.type_ids):
-            if (batch := packer.add(ids, None, types)) is not None:
-                pending.append(reranker.step(batch))
-                take(wait=False)
-        if (batch := packer.flush()) is not None:
-            pending.append(reranker.step(batch))
-            take(wait=False)
+            enqueue(packer.add(ids, None, types))
+        if end == len(firsts) or sum(not lazy.ready() for lazy in pending) < QUEUED_STEPS:
+            enqueue(packer.flush())
     take(wait=True)
     return np.concatenate(scores) if scores else np.zeros(0, dtype=np.float32)
 
@@ -419,15 +428,9 @@ def pair_groups(pairs: int) -> Iterator[tuple[int, int]]:
     """(start, end) of each group of pairs tokenized together: EVEN_PAIR_GROUPS groups of PAIR_GROUP
     pairs, then groups that double, the last what is left.
 
-    Each group is enqueued at once (its last step flushed below the token budget), so the device runs
-    it while the next one tokenizes, and waits only for the first. A group of one pair per core
-    tokenizes in about the time of one pair, each pair on a core of its own. On the H200 the host
-    tokenizes 16 pairs of 512 tokens in about 3.3 ms and the device scores them in 2.8, so the first
-    groups (64 pairs there: one query's hits, as a rule) stay that size. Groups that doubled (16, 32,
-    2 of 50 pairs) left the device idle while the second tokenized: 15.1 ms against 14.2-14.4 in
-    groups of 16 (bench/results/gpu-2026-11-30-run68-rerank-groups). Past them, the many queries of a
-    block rerank in groups that grow, so that their steps fill the token budget rather than stopping
-    at a group's end.
+    Small first groups start the device early (see pair_scores); the many queries of a block then
+    rerank in groups that grow, so that the tokenizer's calls stay few and, on the CPU, where each
+    group is a step, steps fill the token budget.
     """
     start, group, groups = 0, PAIR_GROUP, 0
     while start < pairs:

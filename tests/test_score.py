@@ -330,8 +330,7 @@ def test_rerank_orders_by_the_transformers_cross_encoder(sample_ranking: tuple[Q
 
 @pytest.mark.parametrize(("pairs", "sizes"), [(0, []), (1, [1]), (4, [4]), (5, [4, 1]), (8, [4, 4]), (12, [4, 4, 4]),
                                               (30, [4, 4, 8, 14]), (60, [4, 4, 8, 16, 28])])
-def test_pair_groups_hold_one_pair_per_core_then_double(monkeypatch: pytest.MonkeyPatch, pairs: int,
-                                                        sizes: list[int]) -> None:
+def test_pair_groups_hold_even_groups_then_double(monkeypatch: pytest.MonkeyPatch, pairs: int, sizes: list[int]) -> None:
     monkeypatch.setattr(score, "PAIR_GROUP", 4)
     monkeypatch.setattr(score, "EVEN_PAIR_GROUPS", 2)
 
@@ -444,28 +443,50 @@ class UnreadyResult:
         return self.lazy.result()
 
 
-class UnreadyEngine:
-    """An engine as a slow device would look to pair_scores: every result pending until waited for.
-    The log records steps and waits in the order they happen."""
+class RecordingEngine:
+    """The engine, recording the steps and waits in the order they happen and each step's pairs. With
+    unready, every result stays pending until waited for, as a slow device would look to pair_scores."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, unready: bool) -> None:
         self.engine, self.max_batch_tokens, self.config = engine, engine.max_batch_tokens, engine.config
+        self.unready = unready
         self.log: list[str] = []
+        self.step_pairs: list[int] = []
 
-    def step(self, batch: PackedBatch) -> UnreadyResult:
+    def step(self, batch: PackedBatch) -> LazyTensor | UnreadyResult:
         self.log.append("step")
-        return UnreadyResult(self.engine.step(batch), self.log)
+        self.step_pairs.append(batch.num_seqs)
+        lazy = self.engine.step(batch)
+        return UnreadyResult(lazy, self.log) if self.unready else lazy
 
 
 def test_pair_scores_enqueues_every_step_before_waiting_for_one(cross_encoder: Path) -> None:
     reranker = embedctl.load(str(cross_encoder), device="cpu", max_seqs=2)
     firsts, seconds = ["a question"] * 9, [f"document {i}" for i in range(9)]
-    unready, scored = UnreadyEngine(reranker.engine), []
+    unready, scored = RecordingEngine(reranker.engine, unready=True), []
     scores = pair_scores(unready, reranker.tokenizer, firsts, seconds, scored.append)
     steps = unready.log.count("step")
     assert steps >= 5 and unready.log == ["step"] * steps + ["wait"] * steps
     assert len(scored) == steps and scored == sorted(scored) and scored[-1] == 9
     np.testing.assert_array_equal(scores, pair_scores(reranker.engine, reranker.tokenizer, firsts, seconds))
+
+
+def test_pairs_gather_into_one_step_while_the_device_has_steps_queued(cross_encoder: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups of two: the first two groups leave at once (fewer than QUEUED_STEPS steps queued), the
+    next ones wait for a larger step while both stay unready, and the last group's pairs leave with
+    them. On the CPU every step is done when step() returns, so each group is a step."""
+    monkeypatch.setattr(score, "PAIR_GROUP", 2)
+    monkeypatch.setattr(score, "QUEUED_STEPS", 2)
+    reranker = embedctl.load(str(cross_encoder), device="cpu")
+    firsts, seconds = ["a question"] * 10, [f"document {i}" for i in range(10)]
+    unready, cpu = RecordingEngine(reranker.engine, unready=True), RecordingEngine(reranker.engine, unready=False)
+
+    scores = pair_scores(unready, reranker.tokenizer, firsts, seconds)
+
+    assert unready.step_pairs == [2, 2, 6]
+    np.testing.assert_allclose(scores, pair_scores(cpu, reranker.tokenizer, firsts, seconds), atol=1e-6)
+    assert cpu.step_pairs == [2, 2, 2, 2, 2]
 
 
 def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_dir: Path) -> None:

@@ -8,8 +8,8 @@ skips the character offsets nobody here reads.
 
 Four things spare the tokenizer work whose result would be thrown away, each only where it gives
 exactly the ids the library gives for the whole text (tests/test_tokenize.py, tests/test_wordpiece.py):
-- ASCII texts and pairs of BERT-style tokenizers (BertPreTokenizer, WordPiece) are split into words
-  here and each word's ids cached (pipelines/wordpiece.py): six times faster than the library on one
+- texts and pairs of BERT-style tokenizers (BertPreTokenizer, WordPiece) are split into words here
+  and each word's ids cached (pipelines/wordpiece.py): six times faster than the library on one
   core, though under the GIL;
 - long texts, and pairs' long documents, are tokenized only as far as the kept tokens need
   (encode_cut, TextTokenizer.encode_pairs), for pre-tokenizers that split at spaces (cuts_at_spaces);
@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-import json
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -39,7 +38,7 @@ from tokenizers import Encoding, Tokenizer
 
 from engine.checkpoint import ModelFiles
 from engine.errors import UserError
-from pipelines.wordpiece import WordPieceWords
+from pipelines.wordpiece import WordPieceWords, spec_of
 
 # The prompt names sentence-transformers' encode_query / encode_document look for, in order.
 ROLE_PROMPTS = {"query": ("query",), "document": ("document", "passage", "corpus")}
@@ -123,19 +122,18 @@ class TextTokenizer:
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length)
         self.file, self.max_length = Path(tokenizer_file), max_length
-        self._cuts = cuts_at_spaces(_spec(self.tokenizer.pre_tokenizer))
-        normalizer = _spec(self.tokenizer.normalizer)
+        self._cuts = cuts_at_spaces(spec_of(self.tokenizer.pre_tokenizer))
+        normalizer = spec_of(self.tokenizer.normalizer)
         self._normalize = ascii_normalizer(normalizer)
         self._no_normalizer = normalizer is None  # then every text's normal form is known, not only ASCII
         # Texts the normalizer would leave as they are go to a copy without it; pairs put together
         # here (needing a pair template) tokenize their pieces with a copy that does not truncate either
         # (_bare_pieces, made on the first pairs: a copy costs a tenth of a second, which index never needs).
-        post_processor = _spec(self.tokenizer.post_processor)
+        post_processor = spec_of(self.tokenizer.post_processor)
         self._templates = {kind: template(post_processor, kind) for kind in ("single", "pair")}
         self._room = {kind: max_length - self.tokenizer.num_special_tokens_to_add(kind == "pair")
                       for kind in ("single", "pair")}
-        # ASCII texts in normal form skip the library for BERT-style tokenizers (pipelines/wordpiece.py)
-        self._words = WordPieceWords.of(self.tokenizer) if self._normalize is not None else None
+        self._words = WordPieceWords.of(self.tokenizer, self._normalize)  # BERT-style: pipelines/wordpiece.py
         self._bare = None
         if self._normalize is not None:
             self._bare = self.tokenizer if self._no_normalizer else _without_normalizer(self.tokenizer)
@@ -157,34 +155,45 @@ class TextTokenizer:
         """Token ids of each text, truncated at max_length, exactly as the tokenizer gives them."""
         texts = [text.strip() for text in texts]
         bare = [self._bare_text(text) for text in texts]
-        results = [self._text_by_words(text) for text in bare]
+        results = [self._text_by_words(text, normal) for text, normal in zip(texts, bare)]
         rest = [row for row, result in enumerate(results) if result is None]
         for rows, tokenizer, inputs in self._routes([bare[row] for row in rest], [texts[row] for row in rest]):
             for row, encoding in zip(rows, encode_cut(tokenizer, inputs, self.max_length, self._cuts)):
                 results[rest[row]] = np.asarray(encoding.ids, dtype=np.int32), bool(encoding.overflowing)
         return Encoded(ids=[ids for ids, _ in results], truncated=[truncated for _, truncated in results])
 
-    def _text_by_words(self, text: str | None) -> tuple[np.ndarray, bool] | None:
-        """A text's ids (normal form) and whether it was cut, word by word; None where that does not apply."""
+    def _text_by_words(self, text: str, bare: str | None) -> tuple[np.ndarray, bool] | None:
+        """A text's ids and whether it was cut, word by word; None where that does not apply."""
         room = self._room["single"]
-        if text is None or self._words is None or self._templates["single"] is None or room <= 0 or not text.isascii():
+        if self._templates["single"] is None or room <= 0 or (ids := self._word_ids(text, bare, room + 1)) is None:
             return None
-        ids = self._words.ids(text, room + 1)
         return self._fill_template("single", ids[:room])[0], len(ids) > room
 
-    def _pair_by_words(self, pair: tuple[str, str] | None) -> PairResult | None:
-        """A pair's result (normal form) word by word, when its query is short (see encode_pairs); else None."""
+    def _pair_by_words(self, pair: tuple[str, str], bare: tuple[str | None, str | None]) -> PairResult | None:
+        """A pair's result word by word, when its query is short (see encode_pairs); else None."""
         room = self._room["pair"]
-        if (pair is None or self._words is None or self._templates["pair"] is None or room <= 0
-                or not (pair[0].isascii() and pair[1].isascii())):
+        if self._templates["pair"] is None or room <= 0:
             return None
-        query = self._words.ids(pair[0], room // 2 + 1)
-        if len(query) > room // 2:
+        query = self._word_ids(pair[0], bare[0], room // 2 + 1)
+        if query is None or len(query) > room // 2:
             return None
         left = room - len(query)
-        document = self._words.ids(pair[1], left + 1)
+        document = self._word_ids(pair[1], bare[1], left + 1)
+        if document is None:
+            return None
         ids, types = self._fill_template("pair", query, document[:left])
         return ids, types, len(document) > left
+
+    def _word_ids(self, text: str, bare: str | None, limit: int) -> list[int] | None:
+        """The first ids of a text (bare: its normal form, when known) from WordPieceWords; None where
+        it does not serve (no words for this tokenizer, an added token's text in the text)."""
+        if self._words is None:
+            return None
+        if bare is not None and bare.isascii():
+            return self._words.ids(bare, limit)
+        if text.isascii() or (self._added_raw is not None and self._added_raw.search(text)):
+            return None  # an ASCII text without a normal form here holds an added token's text
+        return self._words.raw_ids(text, limit)
 
     def _routes(self, bare: list, inputs: list) -> list[tuple[list[int], Tokenizer, list]]:
         """Rows of inputs (texts or pairs) whose normal form `bare` holds, with the bare tokenizer and
@@ -209,15 +218,16 @@ class TextTokenizer:
         token types 0 then 1 for BERT), truncated longest first, exactly as the tokenizer gives it.
 
         Longest first: when the first text (a query) has at most half of the room, it is kept whole
-        and the second text (a document) keeps the rest (_short_queries). Such ASCII pairs of a
-        BERT-style tokenizer are put together word by word (_pair_by_words); the others go to the
-        library (_pairs_by_library).
+        and the second text (a document) keeps the rest (_short_queries). Such pairs of a BERT-style
+        tokenizer are put together word by word (_pair_by_words); the others go to the library
+        (_pairs_by_library).
         """
         pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
         normal_forms = {text: self._bare_text(text) for pair in pairs for text in pair}  # a query recurs per pair
         bare = [(normal_forms[a], normal_forms[b]) for a, b in pairs]
         bare = [pair if None not in pair else None for pair in bare]
-        results = {i: result for i, pair in enumerate(bare) if (result := self._pair_by_words(pair)) is not None}
+        results = {i: result for i, pair in enumerate(pairs)
+                   if (result := self._pair_by_words(pair, (normal_forms[pair[0]], normal_forms[pair[1]]))) is not None}
         rest = [i for i in range(len(pairs)) if i not in results]
         if rest:
             by_library = self._pairs_by_library([pairs[i] for i in rest], [bare[i] for i in rest])
@@ -457,11 +467,6 @@ def _without_normalizer(tokenizer: Tokenizer) -> Tokenizer:
     bare = copy.deepcopy(tokenizer)
     bare.normalizer = None
     return bare
-
-
-def _spec(component: object | None) -> dict | None:
-    """A tokenizer component's settings, as tokenizer.json holds them."""
-    return None if component is None else json.loads(component.__getstate__())
 
 
 def _any_of(strings: list[str]) -> re.Pattern | None:

@@ -1,4 +1,4 @@
-"""Token ids of normalized ASCII text for BERT-style tokenizers, word by word, each word's ids cached.
+"""Token ids of texts for BERT-style tokenizers, word by word, each word's ids cached.
 
 A tokenizer.json with BertPreTokenizer and a WordPiece model splits a text into words (runs between
 whitespace and punctuation, and each punctuation character alone) and gives each word ids that
@@ -6,14 +6,24 @@ depend on that word only. The library builds an aligned string for every word on
 512-token document of the docstrings corpus took 0.64 ms through encode_batch_fast (normalizer
 already skipped), and 0.10 ms split here by one regex, each word's ids from a dict filled by the
 library's own WordPiece model (Model.tokenize) on the word's first sight. So the vocabulary, the
-subword rules and unknown words stay the library's; only the split into words is done here, for
-ASCII, where it is a character class (tests/test_wordpiece.py checks it against the library).
+subword rules and unknown words stay the library's; only the split at ASCII whitespace and
+punctuation is done here, where it is a character class (tests/test_wordpiece.py checks it
+against the library).
+
+A text that is not ASCII is split the same way before it is normalized, when its normalizer works
+character by character (BertNormalizer, Lowercase) and so never joins or splits across an ASCII
+space or punctuation mark: each ASCII piece is normalized here, and each piece holding other
+characters goes to the library whole, which normalizes and splits it as it would in the text.
+Otherwise the few non-ASCII texts of a corpus (2% of the docstrings corpus) held up a batch of
+ASCII ones, tokenized whole by the library.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+from collections.abc import Callable
 
 from tokenizers import Tokenizer
 
@@ -22,6 +32,11 @@ from tokenizers import Tokenizer
 _WHITESPACE = r"\t\n\x0b\x0c\r "
 _PUNCTUATION = r"!-/:-@\[-`{-~"
 _WORDS = re.compile(f"[^{_WHITESPACE}{_PUNCTUATION}]+|[{_PUNCTUATION}]")
+# ASCII control characters BertNormalizer's clean_text removes, joining the text around them (or,
+# without it, split at: \x0b, \x0c), so a text holding one is split only after normalizing.
+_CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# Normalizers that map each character on its own, never across an ASCII space or punctuation mark.
+_CHARACTERWISE = ("BertNormalizer", "Lowercase")
 # A long text is split into words a slice at a time, this many characters per id still wanted, so
 # that a text cut at max_length is not split whole (the docstrings corpus needs 3.6 at the median).
 CHARS_PER_ID = 5
@@ -30,38 +45,69 @@ MAX_WORDS = 1 << 20
 
 
 class WordPieceWords:
-    """Ids of normalized ASCII texts, without special tokens, for one WordPiece tokenizer."""
+    """Ids of texts, without special tokens, for one BERT-style tokenizer."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, normalize: Callable[[str], str], characterwise: bool) -> None:
         self._model = tokenizer.model
+        self._normalize = normalize
+        self._library = None  # for pieces of non-ASCII texts, with the normalizer and no truncation
+        if characterwise:
+            self._library = copy.deepcopy(tokenizer)
+            self._library.no_truncation()
+            self._library.no_padding()
         self._cache: dict[str, tuple[int, ...]] = {}
 
     @classmethod
-    def of(cls, tokenizer: Tokenizer) -> WordPieceWords | None:
-        """Words for the tokenizer, when it splits with BertPreTokenizer and has a WordPiece model."""
-        pre_tokenizer, model = tokenizer.pre_tokenizer, json.loads(tokenizer.model.__getstate__())
-        if pre_tokenizer is None or json.loads(pre_tokenizer.__getstate__())["type"] != "BertPreTokenizer":
+    def of(cls, tokenizer: Tokenizer, normalize: Callable[[str], str] | None) -> WordPieceWords | None:
+        """Words for a tokenizer that splits with BertPreTokenizer and has a WordPiece model, given what
+        its normalizer does to ASCII text (pipelines.tokenize.ascii_normalizer); else None."""
+        pre_tokenizer = spec_of(tokenizer.pre_tokenizer)
+        if normalize is None or pre_tokenizer is None or pre_tokenizer["type"] != "BertPreTokenizer":
             return None
-        return cls(tokenizer) if model["type"] == "WordPiece" else None
+        if spec_of(tokenizer.model)["type"] != "WordPiece":
+            return None
+        normalizer = spec_of(tokenizer.normalizer)
+        # An added token matched after normalization could span pieces that are normalized apart.
+        characterwise = ((normalizer is None or normalizer["type"] in _CHARACTERWISE)
+                         and not any(token.normalized for token in tokenizer.get_added_tokens_decoder().values()))
+        return cls(tokenizer, normalize, characterwise)
 
     def ids(self, text: str, limit: int) -> list[int]:
-        """The text's first ids, at least `limit` of them when it has that many (more may follow).
+        """The first ids of an ASCII text in normal form (and no added token in it): at least `limit`
+        of them when it has that many (more may follow)."""
+        return self._ids(text, limit, self._learn)
 
-        The text must be ASCII and as the tokenizer's normalizer leaves it, with no added token in it.
-        """
+    def raw_ids(self, text: str, limit: int) -> list[int] | None:
+        """The first ids of a text as given, with no added token's text in it, as ids() gives them; None
+        when it cannot be split before normalizing (see the module's docstring, and _CONTROLS)."""
+        if self._library is None or _CONTROLS.search(text):
+            return None
+        return self._ids(text, limit, self._learn_raw)
+
+    def _ids(self, text: str, limit: int, learn: Callable[[str], tuple[int, ...]]) -> list[int]:
         ids: list[int] = []
         start = 0
         while start < len(text) and len(ids) < limit:
             end = _word_end(text, start, start + (limit - len(ids)) * CHARS_PER_ID)
             for word in _WORDS.findall(text, start, end):
-                ids += self._cache.get(word) or self._learn(word)
+                ids += self._cache.get(word) or learn(word)
             start = end
         return ids
 
     def _learn(self, word: str) -> tuple[int, ...]:
+        return self._remember(word, tuple(token.id for token in self._model.tokenize(word)))
+
+    def _learn_raw(self, piece: str) -> tuple[int, ...]:
+        if piece.isascii():
+            return self._remember(piece, tuple(token.id for token in self._model.tokenize(self._normalize(piece))))
+        return self._remember(piece, tuple(self._library.encode(piece, add_special_tokens=False).ids))
+
+    def _remember(self, piece: str, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Cached under the piece as found: a piece in normal form and one that normalizes to it (ids of
+        a normalized text, raw_ids of a raw one) have the same ids."""
         if len(self._cache) >= MAX_WORDS:
             self._cache.clear()
-        ids = self._cache[word] = tuple(token.id for token in self._model.tokenize(word))
+        self._cache[piece] = ids
         return ids
 
 
@@ -71,3 +117,8 @@ def _word_end(text: str, start: int, end: int) -> int:
         return len(text)
     space = text.rfind(" ", start, end)
     return space + 1 if space >= 0 else len(text)
+
+
+def spec_of(component: object | None) -> dict | None:
+    """A tokenizer component's settings, as tokenizer.json holds them."""
+    return None if component is None else json.loads(component.__getstate__())

@@ -7,12 +7,12 @@ import random
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, normalizers, pre_tokenizers
 
 from engine.checkpoint import resolve_model
 from pipelines import wordpiece
-from pipelines.tokenize import TextTokenizer, _spec, ascii_normalizer
-from pipelines.wordpiece import WordPieceWords
+from pipelines.tokenize import TextTokenizer, ascii_normalizer
+from pipelines.wordpiece import WordPieceWords, spec_of
 from tests.test_tokenize import CountingTokenizer, corpus_texts, tokenizer_path, whole_tokenizer
 
 
@@ -36,34 +36,77 @@ def variant(normalizer: normalizers.Normalizer | None, path: Path) -> Path:
     return path
 
 
-def random_ascii_texts(count: int) -> list[str]:
-    """Every ASCII character, in words of every length (past WordPiece's 100 characters too)."""
+def random_texts(count: int, characters: list[str]) -> list[str]:
+    """The characters, between letters and digits in words of every length (past WordPiece's 100)."""
     rng = random.Random(0)
-    every = [chr(code) for code in range(128)]
     letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
     texts = []
     for _ in range(count):
-        pieces = [rng.choice(every) if rng.random() < 0.3 else "".join(rng.choices(letters, k=rng.choice([1, 3, 8, 101, 150])))
+        pieces = [rng.choice(characters) if rng.random() < 0.3 else "".join(rng.choices(letters, k=rng.choice([1, 3, 8, 101, 150])))
                   for _ in range(rng.randint(0, 60))]
         texts.append("".join(pieces))
     return texts
 
 
-@pytest.mark.parametrize("normalizer", [normalizers.BertNormalizer(), normalizers.BertNormalizer(lowercase=False),
-                                        normalizers.BertNormalizer(clean_text=False), None], ids=repr)
+EVERY_ASCII = [chr(code) for code in range(128)]
+# Accents and combining marks, CJK, Unicode punctuation and spaces, characters that lowercase or
+# decompose to ASCII (Kelvin sign, Greek question mark) or to two characters, invisible ones.
+OTHERS = ["é", "É", "ñ", "ü", "\u0301", "\u0323", "东京", "—", "–", "…", "«", "\u00a0", "\u3000", "\u2028", "\u0085",
+          "\u200b", "\u212a", "\u037e", "ß", "İ", "ﬁ", "😀", "Σ", "ς", "\ufffd", "¹", "\u00ad"]
+NORMALIZERS = [normalizers.BertNormalizer(), normalizers.BertNormalizer(lowercase=False),
+               normalizers.BertNormalizer(strip_accents=False), normalizers.BertNormalizer(clean_text=False),
+               normalizers.BertNormalizer(handle_chinese_chars=False), normalizers.Lowercase(), None]
+
+
+def words_and_library(normalizer: normalizers.Normalizer | None, path: Path) -> tuple[WordPieceWords, Tokenizer]:
+    tokenizer = Tokenizer.from_file(str(variant(normalizer, path)))
+    words = WordPieceWords.of(tokenizer, ascii_normalizer(spec_of(tokenizer.normalizer)))
+    return words, tokenizer
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS, ids=repr)
 def test_words_give_the_librarys_ids_on_every_ascii_character(tmp_path: Path, normalizer: normalizers.Normalizer | None) -> None:
     """Without clean_text, control characters stay: some split words (\\x0b, \\x0c), others are
     part of them (\\x1c-\\x1f, which Python, unlike the library, counts as whitespace)."""
-    tokenizer = Tokenizer.from_file(str(variant(normalizer, tmp_path / "tokenizer.json")))
-    normalize = ascii_normalizer(_spec(tokenizer.normalizer))
-    texts = [normalize(text) for text in random_ascii_texts(300) + corpus_texts() if text.isascii()]
-    tokenizer.normalizer = None  # the texts are in normal form already
-    words = WordPieceWords.of(tokenizer)
+    words, library = words_and_library(normalizer, tmp_path / "tokenizer.json")
+    normalize = ascii_normalizer(spec_of(library.normalizer))
+    texts = [text for text in random_texts(300, EVERY_ASCII) + corpus_texts() if text.isascii()]
 
-    expected = [encoding.ids for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+    expected = [encoding.ids for encoding in library.encode_batch_fast(texts, add_special_tokens=False)]
 
-    assert [words.ids(text, 1 << 30) for text in texts] == expected
+    assert [words.ids(normalize(text), 1 << 30) for text in texts] == expected
     assert sum(len(ids) for ids in expected) > 20_000
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS, ids=repr)
+def test_raw_words_give_the_librarys_ids_on_texts_that_are_not_ascii(tmp_path: Path,
+                                                                     normalizer: normalizers.Normalizer | None) -> None:
+    """Pieces between ASCII spaces and punctuation normalize apart as they do in the whole text; a
+    text holding an ASCII control character is left to the library (None)."""
+    words, library = words_and_library(normalizer, tmp_path / "tokenizer.json")
+    printable = [c for c in EVERY_ASCII if c.isprintable()] + ["\t", "\n", "\r"]
+    texts = random_texts(300, printable + OTHERS * 4) + random_texts(100, EVERY_ASCII + OTHERS * 4) + corpus_texts()
+    texts = [text for text in texts if not text.isascii()]
+
+    expected = [encoding.ids for encoding in library.encode_batch_fast(texts, add_special_tokens=False)]
+
+    found = [words.raw_ids(text, 1 << 30) for text in texts]
+    controls = [any(c in text for c in EVERY_ASCII if not c.isprintable() and c not in "\t\n\r") for text in texts]
+    assert [ids is None for ids in found] == controls
+    assert [ids for ids in found if ids is not None] == [ids for ids, control in zip(expected, controls) if not control]
+    assert controls.count(False) > 200 and controls.count(True) > 20
+
+
+@pytest.mark.parametrize("change", ["nfkc", "normalized added token"])
+def test_raw_texts_are_left_to_the_library_where_pieces_could_normalize_differently(tmp_path: Path, change: str) -> None:
+    tokenizer = minilm()
+    if change == "nfkc":  # composes across characters
+        tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    else:
+        tokenizer.add_tokens([AddedToken("a-b", normalized=True)])
+    words = WordPieceWords.of(tokenizer, ascii_normalizer(spec_of(tokenizer.normalizer)))
+
+    assert words.raw_ids("naïve", 10) is None and words.ids("naive", 10) == tokenizer.encode("naive", add_special_tokens=False).ids
 
 
 @pytest.mark.parametrize("chars_per_id", [1, 2, wordpiece.CHARS_PER_ID])
@@ -72,26 +115,25 @@ def test_a_limit_gives_at_least_that_many_of_the_texts_first_ids(monkeypatch: py
     end far short of the limit, so most texts take several."""
     monkeypatch.setattr(wordpiece, "CHARS_PER_ID", chars_per_id)
     tokenizer = minilm()
-    normalize = ascii_normalizer(_spec(tokenizer.normalizer))
-    texts = [normalize(text) for text in corpus_texts() + random_ascii_texts(50) if text.isascii()]
-    tokenizer.normalizer = None
-    words = WordPieceWords.of(tokenizer)
+    normalize = ascii_normalizer(spec_of(tokenizer.normalizer))
+    words = WordPieceWords.of(tokenizer, normalize)
+    texts = corpus_texts() + random_texts(50, EVERY_ASCII + OTHERS)
     whole = [encoding.ids for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
     for limit in (1, 7, 64, 300):
         for text, expected in zip(texts, whole):
-            ids = words.ids(text, limit)
-            assert ids == expected[:len(ids)] and len(ids) >= min(limit, len(expected))
+            ids = words.ids(normalize(text), limit) if text.isascii() else words.raw_ids(text, limit)
+            if ids is not None:
+                assert ids == expected[:len(ids)] and len(ids) >= min(limit, len(expected))
 
 
 def test_the_cache_starts_again_when_full(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(wordpiece, "MAX_WORDS", 8)
     tokenizer = minilm()
-    tokenizer.normalizer = None
-    words = WordPieceWords.of(tokenizer)
-    texts = [text.lower() for text in corpus_texts()[:40] if text.isascii()]
+    words = WordPieceWords.of(tokenizer, ascii_normalizer(spec_of(tokenizer.normalizer)))
+    texts = [text for text in corpus_texts()[:40] if text.isascii()]
 
-    assert [words.ids(text, 1 << 30) for text in texts] == [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+    assert [words.ids(text.lower(), 1 << 30) for text in texts] == [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
     assert 0 < len(words._cache) <= 8
 
 
@@ -103,15 +145,16 @@ def test_only_bert_style_wordpiece_tokenizers_split_into_words_here(tokenizers_d
     else:
         tokenizer = Tokenizer.from_file(str(tokenizer_path(kind, tokenizers_dir)))
         tokenizer.no_truncation()
-    assert WordPieceWords.of(tokenizer) is None
-    assert WordPieceWords.of(minilm()) is not None
+    assert WordPieceWords.of(tokenizer, str) is None
+    assert WordPieceWords.of(minilm(), str) is not None
 
 
 def test_ascii_texts_and_pairs_skip_the_library_and_give_its_ids() -> None:
-    """ASCII texts, and ASCII pairs whose query has at most half of the room, never reach the library;
-    non-ASCII ones, those holding a special token's text and long queries do, and all give its ids."""
+    """Texts, and pairs whose query has at most half of the room, never reach the library; those holding
+    a special token's text, non-ASCII ones holding an ASCII control character and long queries do,
+    and all give its ids."""
     path, max_length = resolve_model(None).tokenizer_file, 48
-    texts = corpus_texts()[:200] + ["naïve café", "the [SEP] token as text", "\t Tabs\tand CAPITALS \n", ""]
+    texts = corpus_texts()[:200] + ["naïve café", "naïve\x0bcafé", "the [SEP] token as text", "\t Tabs\tand\x0bCAPITALS \n", ""]
     queries = ["How do I read a FILE?", "x", " ".join(["word"] * 30)]
     pairs = [(query, text) for query in queries for text in texts]
     for_texts, for_pairs = TextTokenizer(path, max_length), TextTokenizer(path, max_length)
@@ -129,8 +172,8 @@ def test_ascii_texts_and_pairs_skip_the_library_and_give_its_ids() -> None:
     assert [ids.tolist() for ids in encoded_pairs.ids] == [e.ids for e in expected_pairs]
     assert [types.tolist() for types in encoded_pairs.type_ids] == [e.type_ids for e in expected_pairs]
     assert encoded_pairs.truncated == [bool(e.overflowing) for e in expected_pairs] and any(encoded_pairs.truncated)
-    library_texts = [text for text in texts if not text.isascii() or "[SEP]" in text]
+    library_texts = [text for text in texts if "[SEP]" in text or (not text.isascii() and "\x0b" in text)]
     library_pairs = [(a, b) for a, b in pairs if b in library_texts or a == queries[-1]]
     assert for_texts._bare.calls == [] and len(for_texts.tokenizer.calls[0]) == len(library_texts) > 0
     assert sum(len(call) for counting in (for_pairs.tokenizer, for_pairs._bare) for call in counting.calls) == len(library_pairs)
-    assert 0 < len(library_pairs) < len(pairs) // 2
+    assert 0 < len(library_pairs) < len(pairs) // 2 and any(not text.isascii() for text in texts if text not in library_texts)

@@ -180,7 +180,8 @@ class IndexModel:
 
     @cached_property
     def tokenizer(self) -> TextTokenizer:
-        return TextTokenizer(self.spec.files.tokenizer_file, self.spec.max_length)
+        """For the pool's threads in this process (worker processes load their own, by words)."""
+        return TextTokenizer(self.spec.files.tokenizer_file, self.spec.max_length, by_words=False)
 
     def on_gpu(self) -> bool:
         """Whether the engine runs on a GPU, known before it loads. Finding out imports torch (a second

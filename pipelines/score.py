@@ -52,8 +52,10 @@ RERANK_QUERY_BLOCK = 256
 PAIR_GROUP = 2
 EVEN_PAIR_GROUPS = 4
 # Steps a reranker's device may have queued before the pairs tokenized since are held back for a
-# larger step (see pair_scores).
-QUEUED_STEPS = 2
+# larger step (see pair_scores): with none, BERT-base on the H200 reranked 5 / 25 / 50 pairs in
+# 1.95-1.99 / 6.86-7.08 / 12.37-13.32 ms, with one in 2.20-2.21 / 7.39-7.50 / 12.76-13.02
+# (bench/results/gpu-2026-12-01-run76-rerank-schedules).
+QUEUED_STEPS = 1
 _WHITESPACE = re.compile(r"\s")
 
 
@@ -369,10 +371,10 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
     """A cross-encoder's score for each (first, second) pair, float32 [pairs].
 
     For a handful of long pairs, tokenizing costs about as much as the model. So the pairs are
-    tokenized in small groups (pair_groups), and the device is given the pairs tokenized so far as
-    soon as it has fewer than QUEUED_STEPS steps left to run: the first step starts after the first
+    tokenized in small groups (pair_groups), and the device is given the pairs tokenized so far
+    once it has fewer than QUEUED_STEPS steps left to run: the first step starts after the first
     group, and while the device is busy the next groups gather into one larger step, which the
-    device runs faster per pair. A step also leaves when it fills the token budget, and the last
+    device runs faster per pair (each BERT-base step costs the H200 about 0.45 ms besides its pairs). A step also leaves when it fills the token budget, and the last
     group's pairs leave at once. On the CPU a step is done before step() returns, so each group is
     a step.
 

@@ -111,9 +111,15 @@ if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's t
 
 
 class TextTokenizer:
-    """A model's tokenizer: texts (or pairs) to ids with its special tokens, truncated at max_length."""
+    """A model's tokenizer: texts (or pairs) to ids with its special tokens, truncated at max_length.
 
-    def __init__(self, tokenizer_file: Path, max_length: int) -> None:
+    by_words: split BERT-style texts into words here (pipelines/wordpiece.py), which holds the GIL
+    while it works. False for threads that tokenize large chunks beside a thread that needs the GIL
+    to keep the device fed: in such threads MiniLM's index on the H200 made 1.66M tokens/s by words
+    against 3.26M through the library, which releases the GIL (bench/results/gpu-2026-12-01-run75-words).
+    """
+
+    def __init__(self, tokenizer_file: Path, max_length: int, by_words: bool = True) -> None:
         try:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as error:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
@@ -133,7 +139,7 @@ class TextTokenizer:
         self._templates = {kind: template(post_processor, kind) for kind in ("single", "pair")}
         self._room = {kind: max_length - self.tokenizer.num_special_tokens_to_add(kind == "pair")
                       for kind in ("single", "pair")}
-        self._words = WordPieceWords.of(self.tokenizer, self._normalize)  # BERT-style: pipelines/wordpiece.py
+        self._words = WordPieceWords.of(self.tokenizer, self._normalize) if by_words else None
         self._bare = None
         if self._normalize is not None:
             self._bare = self.tokenizer if self._no_normalizer else _without_normalizer(self.tokenizer)

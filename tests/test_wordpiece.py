@@ -177,3 +177,15 @@ def test_ascii_texts_and_pairs_skip_the_library_and_give_its_ids() -> None:
     assert for_texts._bare.calls == [] and len(for_texts.tokenizer.calls[0]) == len(library_texts) > 0
     assert sum(len(call) for counting in (for_pairs.tokenizer, for_pairs._bare) for call in counting.calls) == len(library_pairs)
     assert 0 < len(library_pairs) < len(pairs) // 2 and any(not text.isascii() for text in texts if text not in library_texts)
+
+
+def test_a_tokenizer_not_by_words_leaves_every_text_to_the_library() -> None:
+    """What index's threads use: the library, which releases the GIL while it works."""
+    path, texts = resolve_model(None).tokenizer_file, [text for text in corpus_texts()[:50] if text.isascii()]
+    tokenizer = TextTokenizer(path, 48, by_words=False)
+    tokenizer._bare = CountingTokenizer(tokenizer._bare)
+
+    encoded = tokenizer.encode(texts)
+
+    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in whole_tokenizer(path, 48).encode_batch_fast(texts)]
+    assert len(tokenizer._bare.calls[0]) == len(texts) > 40

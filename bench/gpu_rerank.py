@@ -1,9 +1,11 @@
 """The low-latency ranking suite: a cross-encoder scoring 5, 25 and 50 (query, document) pairs of 512 tokens.
 
 Ours: pipelines.score.pair_scores, the path `embedctl score --reranker` runs (pairs tokenized in
-groups of one per core, each enqueued at once so tokenizing overlaps the device; CUDA graphs, pinned
-readback); beside it, its two parts alone: the tokenizer in the same groups, and the model on the
-pairs tokenized beforehand. Peer: sentence-transformers' CrossEncoder.predict on the same checkpoint
+small groups while the device runs the groups before; CUDA graphs, pinned readback); beside it, its
+two parts alone: the tokenizer in the same groups, and the model on the pairs tokenized beforehand.
+The graphs are captured at load (EngineConfig.warmup, as `embedctl serve` does): steps gather as
+many pairs as the device's pace lets through, so their sizes vary from call to call, and without it
+a call now and then would capture a new size's graph while timed. Peer: sentence-transformers' CrossEncoder.predict on the same checkpoint
 and GPU, in fp16 and fp32 (its default). Both include tokenization and the copy of the scores to the
 host. The model is BERT-base shaped with random weights (timings do not depend on the
 weights; no cross-encoder weights ship offline). Writes results.json and report.md under --out.
@@ -43,7 +45,7 @@ def main() -> None:
     repeats = 3 if args.smoke else args.repeats
     path = save_random_model(Path(tempfile.mkdtemp(prefix="embedctl-rerank-")) / "cross-encoder",
                              "BertForSequenceClassification", num_labels=1, **shape)
-    engine = Engine.load(str(path), EngineConfig(attention=args.attention))
+    engine = Engine.load(str(path), EngineConfig(attention=args.attention, warmup=not args.smoke))
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
     docs = long_documents(args.corpus, tokenizer, max(PAIRS))
     results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,

@@ -343,9 +343,10 @@ class TextTokenizer:
         """The ids and token types of the `kind` template ("single" or "pair") around the sequences' ids."""
         layout = self._templates[kind]
         named = dict(zip("AB", sequences))
-        segments = [named[part] if isinstance(part, str) else part for part, _ in layout]
-        types = [np.full(len(segment), type_id, dtype=np.int32) for segment, (_, type_id) in zip(segments, layout)]
-        return np.concatenate(segments).astype(np.int32, copy=False), np.concatenate(types)
+        segments = [np.asarray(named[part], dtype=np.int32) if isinstance(part, str) else part for part, _ in layout]
+        ids = np.concatenate(segments)
+        types = np.array([type_id for _, type_id in layout], dtype=np.int32)
+        return ids, np.repeat(types, [len(segment) for segment in segments])
 
 
 def encode_cut(tokenizer: Tokenizer, texts: list[str], max_length: int, cut: bool = True) -> list[Encoding]:

@@ -116,7 +116,8 @@ class TextTokenizer:
     by_words: split BERT-style texts into words here (pipelines/wordpiece.py), which holds the GIL
     while it works. False for threads that tokenize large chunks beside a thread that needs the GIL
     to keep the device fed: in such threads MiniLM's index on the H200 made 1.66M tokens/s by words
-    against 3.26M through the library, which releases the GIL (bench/results/gpu-2026-12-01-run75-words).
+    against 3.26M through the library, which releases the GIL
+    (bench/results/gpu-2026-12-01-run75-index-serve-words).
     """
 
     def __init__(self, tokenizer_file: Path, max_length: int, by_words: bool = True) -> None:

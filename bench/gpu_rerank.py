@@ -5,9 +5,9 @@ small groups while the device runs the groups before; CUDA graphs, pinned readba
 two parts alone: the tokenizer in the same groups, and the model on the pairs tokenized beforehand.
 The graphs are captured at load (EngineConfig.warmup, as `embedctl serve` does): steps gather as
 many pairs as the device's pace lets through, so their sizes vary from call to call, and without it
-a call now and then would capture a new size's graph while timed. Peer: sentence-transformers' CrossEncoder.predict on the same checkpoint
-and GPU, in fp16 and fp32 (its default). Both include tokenization and the copy of the scores to the
-host. The model is BERT-base shaped with random weights (timings do not depend on the
+a call now and then would capture a new size's graph while timed. Peer: sentence-transformers'
+CrossEncoder.predict on the same checkpoint and GPU, in fp16 and fp32 (its default). Both include
+tokenization and the copy of the scores to the host. The model is BERT-base shaped with random weights (timings do not depend on the
 weights; no cross-encoder weights ship offline). Writes results.json and report.md under --out.
 `--smoke` runs tiny sizes on any device to check the script.
 """

@@ -374,9 +374,9 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
     tokenized in small groups (pair_groups), and the device is given the pairs tokenized so far
     once it has fewer than QUEUED_STEPS steps left to run: the first step starts after the first
     group, and while the device is busy the next groups gather into one larger step, which the
-    device runs faster per pair (each BERT-base step costs the H200 about 0.45 ms besides its pairs). A step also leaves when it fills the token budget, and the last
-    group's pairs leave at once. On the CPU a step is done before step() returns, so each group is
-    a step.
+    device runs faster per pair (each BERT-base step costs the H200 about 0.45 ms besides its
+    pairs). A step also leaves when it fills the token budget, and the last group's pairs leave at
+    once. On the CPU a step is done before step() returns, so each group is a step.
 
     scored, when given, hears how many pairs (from the first) have their scores, each time that grows.
     For it, the results already ready are taken between steps, in order and without waiting on any, so

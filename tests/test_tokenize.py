@@ -108,7 +108,7 @@ def whole_tokenizer(path: Path, max_length: int) -> Tokenizer:
     return whole
 
 
-@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "qwen", "bpe-whole", "unigram"])
+@pytest.mark.parametrize("kind", ["wordpiece", "wordpiece-library", "bpe", "qwen", "bpe-whole", "unigram"])
 @pytest.mark.parametrize("max_length", [16, 128])
 @pytest.mark.parametrize("chars_per_token", [2, 3, 4, CUT_CHARS_PER_TOKEN])
 def test_cut_texts_give_the_whole_texts_tokens(tokenizers_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str,
@@ -120,14 +120,14 @@ def test_cut_texts_give_the_whole_texts_tokens(tokenizers_dir: Path, monkeypatch
     texts = corpus_texts() + awkward_texts(max_length)
     expected = whole_tokenizer(path, max_length).encode_batch_fast([text.strip() for text in texts])
 
-    encoded = TextTokenizer(path, max_length).encode(texts)
+    encoded = TextTokenizer(path, max_length, by_words=by_words(kind)).encode(texts)
 
     assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
     assert encoded.truncated == [bool(e.overflowing) for e in expected]
     assert sum(len(text.strip()) > max_length * chars_per_token for text in texts) > 50  # many were cut
 
 
-@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "qwen", "bpe-whole", "unigram"])
+@pytest.mark.parametrize("kind", ["wordpiece", "wordpiece-library", "bpe", "qwen", "bpe-whole", "unigram"])
 @pytest.mark.parametrize("chars_per_token", [2, 3, 4, CUT_CHARS_PER_TOKEN])
 @pytest.mark.parametrize("cores", [10_000, 1], ids=["pieces", "tokenizer-pairs"])
 def test_pairs_with_cut_documents_give_the_whole_pairs_tokens(tokenizers_dir: Path, monkeypatch: pytest.MonkeyPatch,
@@ -146,7 +146,8 @@ def test_pairs_with_cut_documents_give_the_whole_pairs_tokens(tokenizers_dir: Pa
     pairs = [(query, doc) for query in queries for doc in docs]
     expected = whole_tokenizer(path, max_length).encode_batch_fast([(a.strip(), b.strip()) for a, b in pairs])
 
-    encoded = TextTokenizer(path, max_length).encode_pairs([a for a, _ in pairs], [b for _, b in pairs])
+    tokenizer = TextTokenizer(path, max_length, by_words=by_words(kind))
+    encoded = tokenizer.encode_pairs([a for a, _ in pairs], [b for _, b in pairs])
 
     assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
     assert [types.tolist() for types in encoded.type_ids] == [e.type_ids for e in expected]
@@ -162,8 +163,7 @@ def test_more_pairs_than_cores_tokenize_only_their_documents_cuts(monkeypatch: p
     path, max_length, query = resolve_model(None).tokenizer_file, 64, "how do I read a file"
     docs = [text for text in corpus_texts() if text.isascii() and len(text) > 4 * max_length * CUT_CHARS_PER_TOKEN][:12]
     expected = whole_tokenizer(path, max_length).encode_batch_fast([(query, doc.strip()) for doc in docs])
-    tokenizer = TextTokenizer(path, max_length)
-    tokenizer._words = None  # the library's route, which ASCII pairs of a WordPiece tokenizer otherwise skip
+    tokenizer = TextTokenizer(path, max_length, by_words=False)  # the route the words would otherwise take
     tokenizer._bare_pieces  # noqa: B018 - makes the copy that counts the query's tokens, before the wrapping below
     tokenizer.tokenizer, tokenizer._bare = CountingTokenizer(tokenizer.tokenizer), CountingTokenizer(tokenizer._bare)
 
@@ -250,7 +250,8 @@ def test_a_tokenizer_that_prepends_to_every_input_gives_the_librarys_ids(tmp_pat
     assert [ids.tolist() for ids in encoded_texts.ids] == [e.ids for e in expected_texts]
 
 
-@pytest.mark.parametrize("kind", ["wordpiece", "wordpiece-bert-processing", "bpe", "qwen", "bpe-whole", "unigram"])
+@pytest.mark.parametrize("kind", ["wordpiece", "wordpiece-library", "wordpiece-bert-processing", "bpe", "qwen",
+                                  "bpe-whole", "unigram"])
 @pytest.mark.parametrize("piece_chars", [7, tokenize.MIN_PIECE_CHARS])
 def test_pairs_put_together_from_pieces_give_the_whole_pairs_tokens(tokenizers_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    kind: str, piece_chars: int) -> None:
@@ -266,7 +267,7 @@ def test_pairs_put_together_from_pieces_give_the_whole_pairs_tokens(tokenizers_d
     queries = ["how to read a file", "Which CLASS\treads tokens?", "x", "y z", "[CLS] as text", docs[-1][:900]] * len(docs)
     pairs = list(zip(queries, docs))
     expected = whole_tokenizer(path, max_length).encode_batch_fast([(a.strip(), b.strip()) for a, b in pairs])
-    tokenizer = TextTokenizer(path, max_length)
+    tokenizer = TextTokenizer(path, max_length, by_words=by_words(kind))
     tokenizer._bare_pieces  # noqa: B018 - makes the copy for pieces from the real tokenizer, before it is wrapped below
     # Whole pairs go to the tokenizer, or to its copy without the normalizer when they are ASCII.
     whole = tokenizer.tokenizer, tokenizer._bare = CountingTokenizer(tokenizer.tokenizer), CountingTokenizer(tokenizer._bare)
@@ -284,7 +285,14 @@ def test_pairs_put_together_from_pieces_give_the_whole_pairs_tokens(tokenizers_d
         assert len(pairs) // 6 <= encoded_whole <= len(pairs) * 3 // 4
 
 
+def by_words(kind: str) -> bool:
+    """Whether a test tokenizer of this kind splits texts into words (pipelines/wordpiece.py): the
+    "-library" kinds are BERT-style ones that go through the library instead, as the index's threads do."""
+    return not kind.endswith("-library")
+
+
 def tokenizer_path(kind: str, directory: Path) -> Path:
+    kind = kind.removesuffix("-library")
     if kind == "wordpiece":
         return resolve_model(None).tokenizer_file
     if kind == "wordpiece-bert-processing":

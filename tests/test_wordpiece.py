@@ -127,6 +127,18 @@ def test_a_limit_gives_at_least_that_many_of_the_texts_first_ids(monkeypatch: py
                 assert ids == expected[:len(ids)] and len(ids) >= min(limit, len(expected))
 
 
+def test_a_limit_stops_the_split_near_it_in_a_long_text() -> None:
+    """The last slices ask for a few ids, fewer characters than a word here: each still ends at the
+    next space rather than at the text's end."""
+    tokenizer = minilm()
+    words = WordPieceWords.of(tokenizer, ascii_normalizer(spec_of(tokenizer.normalizer)))
+    text = " ".join(["internationalization"] * 5_000)
+    per_word = len(tokenizer.encode("internationalization", add_special_tokens=False).ids)
+
+    for limit in (1, 2, 509):
+        assert limit <= len(words.ids(text, limit)) < limit + per_word
+
+
 def test_the_cache_starts_again_when_full(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(wordpiece, "MAX_WORDS", 8)
     tokenizer = minilm()

@@ -19,12 +19,18 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 
 
-def percentiles(call: Callable[[], object], repeats: int, warmup: int = 10) -> dict:
-    """p50 and p99 wall milliseconds of call() over `repeats` timed calls, after `warmup` untimed ones."""
+def percentiles(call: Callable[[], object], repeats: int, warmup: int = 10,
+                before: Callable[[], object] | None = None) -> dict:
+    """p50 and p99 wall milliseconds of call() over `repeats` timed calls, after `warmup` untimed ones;
+    before(), when given, runs untimed ahead of each call."""
     for _ in range(warmup):
+        if before is not None:
+            before()
         call()
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         started = time.perf_counter()
         call()
         times.append((time.perf_counter() - started) * 1e3)

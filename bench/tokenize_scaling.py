@@ -3,7 +3,8 @@
   texts   TextTokenizer.encode over corpus documents in chunks of 1,024 (what `embedctl index` does),
           with the Rust thread pool limited to 1, 2, 4, ... cores: tokens/s
   pairs   TextTokenizer.encode_pairs for 5, 25 and 50 (query, document) pairs of 512 tokens (the
-          cross-encoder suite's inputs), against the tokenizer's own encode_batch_fast on the whole
+          cross-encoder suite's inputs), the same documents every call and documents not seen before
+          (bench.gpu_rerank.UnseenDocuments), against the tokenizer's own encode_batch_fast on the whole
           pairs, both with their ids turned into int32 arrays, with every core: p50 ms (runs 14 and
           17 left the arrays out of the second figure: about 2 ms for 50 pairs on a 2-core dev box)
 Each thread count runs in a fresh subprocess, as RAYON_NUM_THREADS is read once per process.
@@ -60,9 +61,10 @@ def main() -> None:
     base = results["texts_tokens_per_s"][1]["tokens_per_s"]
     for count, point in results["texts_tokens_per_s"].items():
         lines.append(f"| {count} | {point['tokens_per_s']:,.0f} | {point['tokens_per_s'] / base:.1f}x |")
-    lines += ["", "| pairs | encode_pairs p50 ms | whole pairs (encode_batch_fast) p50 ms |", "|---|---|---|"]
+    lines += ["", "| pairs | encode_pairs p50 ms, same documents | unseen documents | whole pairs (encode_batch_fast) p50 ms |",
+              "|---|---|---|---|"]
     for pairs, point in results["pairs_p50_ms"].items():
-        lines.append(f"| {pairs} | {point['ours']:.2f} | {point['whole']:.2f} |")
+        lines.append(f"| {pairs} | {point['ours']:.2f} | {point['ours_unseen']:.2f} | {point['whole']:.2f} |")
     (args.out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -86,19 +88,21 @@ def texts_rate(tokenizer: TextTokenizer, corpus: Path, docs: int) -> dict:
 
 
 def pairs_latency(tokenizer: TextTokenizer, corpus: Path) -> dict:
-    from bench.gpu_rerank import QUERY, long_documents
+    from bench.gpu_rerank import QUERY, UnseenDocuments, long_documents
 
-    docs = long_documents(corpus, tokenizer, max(PAIRS))
+    pool = long_documents(corpus, tokenizer)
     result = {}
     for pairs in PAIRS:
-        queries, texts = [QUERY] * pairs, docs[:pairs]
+        queries, texts = [QUERY] * pairs, pool[:pairs]
+        unseen = UnseenDocuments(pool, pairs, lambda: TextTokenizer(tokenizer.file, tokenizer.max_length))
         result[pairs] = {"ours": p50(lambda: tokenizer.encode_pairs(queries, texts)),
+                         "ours_unseen": p50(lambda: unseen.tokenizer.encode_pairs(queries, unseen.texts), unseen.advance),
                          "whole": p50(lambda: as_arrays(tokenizer.tokenizer.encode_batch_fast(list(zip(queries, texts)))))}
     return result
 
 
-def p50(call: Callable[[], object]) -> float:
-    return percentiles(call, 50, warmup=1)["p50_ms"]
+def p50(call: Callable[[], object], before: Callable[[], object] | None = None) -> float:
+    return percentiles(call, 50, warmup=1, before=before)["p50_ms"]
 
 
 def as_arrays(encodings: list) -> list:

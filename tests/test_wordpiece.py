@@ -127,6 +127,13 @@ def test_a_limit_gives_at_least_that_many_of_the_texts_first_ids(monkeypatch: py
                 assert ids == expected[:len(ids)] and len(ids) >= min(limit, len(expected))
 
 
+def test_texts_split_at_spaces_only_where_python_and_bert_agree_on_them() -> None:
+    """Texts are cut into chunks by str.split() unless they hold a character it splits at besides
+    ASCII whitespace: those are every such character Python knows."""
+    others = {chr(code) for code in range(0x110000) if chr(code).isspace()} - set("\t\n\x0b\x0c\r ")
+    assert others == {chr(code) for code in range(0x110000) if wordpiece._OTHER_SPACES.fullmatch(chr(code))}
+
+
 def test_a_limit_stops_the_split_near_it_in_a_long_text() -> None:
     """The last slices ask for a few ids, fewer characters than a word here: each still ends at the
     next space rather than at the text's end."""
@@ -140,7 +147,7 @@ def test_a_limit_stops_the_split_near_it_in_a_long_text() -> None:
 
 
 def test_the_cache_starts_again_when_full(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wordpiece, "MAX_WORDS", 8)
+    monkeypatch.setattr(wordpiece, "MAX_CACHED", 8)
     tokenizer = minilm()
     words = WordPieceWords.of(tokenizer, ascii_normalizer(spec_of(tokenizer.normalizer)))
     texts = [text for text in corpus_texts()[:40] if text.isascii()]

@@ -51,9 +51,9 @@ _CHARACTERWISE = ("BertNormalizer", "Lowercase")
 # median), so that a slice seldom overshoots and the next asks only for what is missing: 25 pairs of
 # 512 tokens took 3.5 ms at 3 on one core, 3.7 at 4, 4.35 at 5 (each slice then ran to the next space).
 CHARS_PER_ID = 3
-# Words and stretches held; past it the cache starts again (the docstrings corpus, 4.25M tokens,
-# fills 130,000).
-MAX_CACHED = 1 << 20
+# Words and stretches held, about 180 bytes each; past it the cache starts again (the docstrings
+# corpus, 4.25M tokens, fills 130,000: 25 MiB). Each tokenizer worker process holds its own.
+MAX_CACHED = 1 << 18
 
 
 class WordPieceWords:

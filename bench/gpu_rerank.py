@@ -114,7 +114,8 @@ class UnseenDocuments:
     def __init__(self, pool: list[str], pairs: int, new_tokenizer: Callable[[], TextTokenizer]) -> None:
         self.seen, self.unseen, self.pairs, self.new_tokenizer = pool[0::2], pool[1::2], pairs, new_tokenizer
         assert len(self.unseen) >= pairs, "the corpus makes too few documents"
-        self.tokenizer, self.texts, self.next = new_tokenizer(), [], len(self.unseen)
+        self.tokenizer: TextTokenizer | None = None  # made by the first advance()
+        self.texts, self.next = [], len(self.unseen)
 
     def advance(self) -> None:
         if self.next + self.pairs > len(self.unseen):

@@ -12,7 +12,7 @@ punctuation is done here, where it is a character class (tests/test_wordpiece.py
 against the library). A text is first cut at whitespace by str.split(), and each stretch's ids
 are cached too, so that its words are looked up once: 25 pairs of 512 tokens from documents not
 seen before took about as long as by words alone on one core (4.5-5.4 ms against 4.8-5.0), 50 pairs
-9% less (9.1-9.2 against 10.1), and documents seen before 35-40% less
+9% less (9.1-9.2 against 10.1), and documents seen before 31-46% less
 (bench/results/cpu-2026-12-01-text-stretches).
 
 A text that is not ASCII is split the same way before it is normalized, when its normalizer works
@@ -26,6 +26,7 @@ ASCII ones, tokenized whole by the library.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from tokenizers import Tokenizer
 _WHITESPACE = r"\t\n\x0b\x0c\r "
 _PUNCTUATION = r"!-/:-@\[-`{-~"
 _WORDS = re.compile(f"[^{_WHITESPACE}{_PUNCTUATION}]+|[{_PUNCTUATION}]")
+_SPACE = re.compile(f"[{_WHITESPACE}]")
 # What str.split() splits at besides ASCII whitespace. The normalizer may remove such a character,
 # joining the text around it (BertNormalizer's clean_text removes \x85), or the pre-tokenizer keep it
 # inside a word (\x1c-\x1f), so a text holding one is split into words only.
@@ -49,11 +51,15 @@ _CHARACTERWISE = ("BertNormalizer", "Lowercase")
 # A long text is split into words a slice at a time, this many characters per id still wanted, so
 # that a text cut at max_length is not split whole. Fewer than the docstrings corpus has (3.6 at the
 # median), so that a slice seldom overshoots and the next asks only for what is missing: 25 pairs of
-# 512 tokens took 3.5 ms at 3 on one core, 3.7 at 4, 4.35 at 5 (each slice then ran to the next space).
+# 512 tokens took 3.6-3.7 ms on one core against 4.2-4.3 at 5, where a slice that found no space
+# before its end ran to the text's end (bench/results/cpu-2026-12-01-word-slices).
 CHARS_PER_ID = 3
 # Words and stretches held, about 180 bytes each; past it the cache starts again (the docstrings
 # corpus, 4.25M tokens, fills 130,000: 25 MiB). Each tokenizer worker process holds its own.
 MAX_CACHED = 1 << 18
+# Longer pieces are not cached, so that the bound above is one on memory too: a stretch without
+# ASCII whitespace (CJK text, base64, minified JSON) can be a whole document.
+MAX_CACHED_CHARS = 100
 
 
 class WordPieceWords:
@@ -100,19 +106,20 @@ class WordPieceWords:
         ids: list[int] = []
         start = 0
         at_spaces = not _OTHER_SPACES.search(text)
+        learn_piece = functools.partial(self._learn_stretch, learn=learn) if at_spaces else learn
         while start < len(text) and len(ids) < limit:
             end = _word_end(text, start + (limit - len(ids)) * CHARS_PER_ID)
-            chunks = text[start:end].split() if at_spaces else _WORDS.findall(text, start, end)
-            for chunk in chunks:
-                ids += self._cache.get(chunk) or self._learn_chunk(chunk, learn)
+            pieces = text[start:end].split() if at_spaces else _WORDS.findall(text, start, end)
+            for piece in pieces:
+                ids += self._cache.get(piece) or learn_piece(piece)
             start = end
         return ids
 
-    def _learn_chunk(self, chunk: str, learn: Callable[[str], tuple[int, ...]]) -> tuple[int, ...]:
+    def _learn_stretch(self, stretch: str, learn: Callable[[str], tuple[int, ...]]) -> tuple[int, ...]:
         ids: list[int] = []
-        for word in _WORDS.findall(chunk):
+        for word in _WORDS.findall(stretch):
             ids += self._cache.get(word) or learn(word)
-        return self._remember(chunk, tuple(ids))
+        return self._remember(stretch, tuple(ids))
 
     def _learn(self, word: str) -> tuple[int, ...]:
         return self._remember(word, tuple(token.id for token in self._model.tokenize(word)))
@@ -125,16 +132,17 @@ class WordPieceWords:
     def _remember(self, piece: str, ids: tuple[int, ...]) -> tuple[int, ...]:
         """Cached under the piece as found: a piece in normal form and one that normalizes to it (ids of
         a normalized text, raw_ids of a raw one) have the same ids."""
-        if len(self._cache) >= MAX_CACHED:
-            self._cache.clear()
-        self._cache[piece] = ids
+        if len(piece) <= MAX_CACHED_CHARS:
+            if len(self._cache) >= MAX_CACHED:
+                self._cache.clear()
+            self._cache[piece] = ids
         return ids
 
 
 def _word_end(text: str, end: int) -> int:
-    """`end`, moved on past the next space so that no word is split; else the text's end."""
-    space = text.find(" ", end)
-    return space + 1 if space >= 0 else len(text)
+    """`end`, moved on past the next ASCII whitespace so that no word is split; else the text's end."""
+    space = _SPACE.search(text, end)
+    return space.end() if space else len(text)
 
 
 def spec_of(component: object | None) -> dict | None:

@@ -163,7 +163,7 @@ def test_more_pairs_than_cores_tokenize_only_their_documents_cuts(monkeypatch: p
     path, max_length, query = resolve_model(None).tokenizer_file, 64, "how do I read a file"
     docs = [text for text in corpus_texts() if text.isascii() and len(text) > 4 * max_length * CUT_CHARS_PER_TOKEN][:12]
     expected = whole_tokenizer(path, max_length).encode_batch_fast([(query, doc.strip()) for doc in docs])
-    tokenizer = TextTokenizer(path, max_length, by_words=False)  # the route the words would otherwise take
+    tokenizer = TextTokenizer(path, max_length, by_words=False)  # the library's route, which words would bypass
     tokenizer._bare_pieces  # noqa: B018 - makes the copy that counts the query's tokens, before the wrapping below
     tokenizer.tokenizer, tokenizer._bare = CountingTokenizer(tokenizer.tokenizer), CountingTokenizer(tokenizer._bare)
 

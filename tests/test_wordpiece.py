@@ -134,16 +134,36 @@ def test_texts_split_at_spaces_only_where_python_and_bert_agree_on_them() -> Non
     assert others == {chr(code) for code in range(0x110000) if wordpiece._OTHER_SPACES.fullmatch(chr(code))}
 
 
-def test_a_limit_stops_the_split_near_it_in_a_long_text() -> None:
+@pytest.mark.parametrize("space", [" ", "\n", "\t"])
+def test_a_limit_stops_the_split_near_it_in_a_long_text(space: str) -> None:
     """The last slices ask for a few ids, fewer characters than a word here: each still ends at the
-    next space rather than at the text's end."""
+    next whitespace rather than at the text's end."""
     tokenizer = minilm()
     words = WordPieceWords.of(tokenizer, ascii_normalizer(spec_of(tokenizer.normalizer)))
-    text = " ".join(["internationalization"] * 5_000)
+    text = space.join(["internationalization"] * 5_000)
     per_word = len(tokenizer.encode("internationalization", add_special_tokens=False).ids)
 
     for limit in (1, 2, 509):
         assert limit <= len(words.ids(text, limit)) < limit + per_word
+
+
+def test_stretches_between_spaces_are_cached_and_long_pieces_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stretch seen once is found whole the next time, none of its words looked up again; a piece
+    longer than MAX_CACHED_CHARS is tokenized each time instead of held."""
+    tokenizer = minilm()
+    words = WordPieceWords.of(tokenizer, ascii_normalizer(spec_of(tokenizer.normalizer)))
+    long_piece = "x" * (wordpiece.MAX_CACHED_CHARS + 1)
+    text = f"read(path, mode) -> bytes: {long_piece} opens it"
+    expected = tokenizer.encode(text, add_special_tokens=False).ids
+    assert words.ids(text, 100) == expected
+    stretches, learned = [], []
+    learn_stretch, learn = words._learn_stretch, words._learn
+    monkeypatch.setattr(words, "_learn_stretch",
+                        lambda stretch, **kwargs: stretches.append(stretch) or learn_stretch(stretch, **kwargs))
+    monkeypatch.setattr(words, "_learn", lambda word: learned.append(word) or learn(word))
+
+    assert words.ids(text, 100) == expected
+    assert stretches == learned == [long_piece]
 
 
 def test_the_cache_starts_again_when_full(monkeypatch: pytest.MonkeyPatch) -> None:

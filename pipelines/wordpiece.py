@@ -58,8 +58,10 @@ CHARS_PER_ID = 3
 # corpus, 4.25M tokens, fills 130,000: 25 MiB). Each tokenizer worker process holds its own.
 MAX_CACHED = 1 << 18
 # Longer pieces are not cached, so that the bound above is one on memory too: a stretch without
-# ASCII whitespace (CJK text, base64, minified JSON) can be a whole document.
-MAX_CACHED_CHARS = 100
+# ASCII whitespace (CJK text, base64, minified JSON) can be a whole document. And a text holding a
+# longer piece that is not ASCII goes to the library, which tokenizes it without holding the GIL
+# (a Chinese paragraph is one piece, all of it tokenized before a limit could stop it).
+LONG_PIECE = 100
 
 
 class WordPieceWords:
@@ -100,7 +102,10 @@ class WordPieceWords:
         when it cannot be split before normalizing (see the module's docstring, and _CONTROLS)."""
         if self._library is None or _CONTROLS.search(text):
             return None
-        return self._ids(text, limit, self._learn_raw)
+        try:
+            return self._ids(text, limit, self._learn_raw)
+        except _LongPiece:
+            return None
 
     def _ids(self, text: str, limit: int, learn: Callable[[str], tuple[int, ...]]) -> list[int]:
         ids: list[int] = []
@@ -127,16 +132,22 @@ class WordPieceWords:
     def _learn_raw(self, piece: str) -> tuple[int, ...]:
         if piece.isascii():
             return self._remember(piece, tuple(token.id for token in self._model.tokenize(self._normalize(piece))))
+        if len(piece) > LONG_PIECE:
+            raise _LongPiece
         return self._remember(piece, tuple(self._library.encode(piece, add_special_tokens=False).ids))
 
     def _remember(self, piece: str, ids: tuple[int, ...]) -> tuple[int, ...]:
         """Cached under the piece as found: a piece in normal form and one that normalizes to it (ids of
         a normalized text, raw_ids of a raw one) have the same ids."""
-        if len(piece) <= MAX_CACHED_CHARS:
+        if len(piece) <= LONG_PIECE:
             if len(self._cache) >= MAX_CACHED:
                 self._cache.clear()
             self._cache[piece] = ids
         return ids
+
+
+class _LongPiece(Exception):
+    """A piece of a text that is not ASCII is too long to tokenize here (LONG_PIECE)."""
 
 
 def _word_end(text: str, end: int) -> int:

@@ -36,13 +36,14 @@ def variant(normalizer: normalizers.Normalizer | None, path: Path) -> Path:
     return path
 
 
-def random_texts(count: int, characters: list[str]) -> list[str]:
-    """The characters, between letters and digits in words of every length (past WordPiece's 100)."""
+def random_texts(count: int, characters: list[str], lengths: tuple[int, ...] = (1, 3, 8, 101, 150)) -> list[str]:
+    """The characters, between letters and digits in words of these lengths (by default some past
+    WordPiece's 100)."""
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
     texts = []
     for _ in range(count):
-        pieces = [rng.choice(characters) if rng.random() < 0.3 else "".join(rng.choices(letters, k=rng.choice([1, 3, 8, 101, 150])))
+        pieces = [rng.choice(characters) if rng.random() < 0.3 else "".join(rng.choices(letters, k=rng.choice(lengths)))
                   for _ in range(rng.randint(0, 60))]
         texts.append("".join(pieces))
     return texts
@@ -82,19 +83,25 @@ def test_words_give_the_librarys_ids_on_every_ascii_character(tmp_path: Path, no
 def test_raw_words_give_the_librarys_ids_on_texts_that_are_not_ascii(tmp_path: Path,
                                                                      normalizer: normalizers.Normalizer | None) -> None:
     """Pieces between ASCII spaces and punctuation normalize apart as they do in the whole text; a
-    text holding an ASCII control character is left to the library (None)."""
+    text holding an ASCII control character, or a piece past LONG_PIECE that is not ASCII, is left
+    to the library (None)."""
     words, library = words_and_library(normalizer, tmp_path / "tokenizer.json")
     printable = [c for c in EVERY_ASCII if c.isprintable()] + ["\t", "\n", "\r"]
-    texts = random_texts(300, printable + OTHERS * 4) + random_texts(100, EVERY_ASCII + OTHERS * 4) + corpus_texts()
+    short = (1, 3, 8)  # so that many texts hold no piece long enough to go to the library
+    texts = (random_texts(600, printable + OTHERS * 4, short) + random_texts(200, EVERY_ASCII + OTHERS * 4, short)
+             + random_texts(100, printable + OTHERS * 4) + corpus_texts())
     texts = [text for text in texts if not text.isascii()]
 
     expected = [encoding.ids for encoding in library.encode_batch_fast(texts, add_special_tokens=False)]
 
     found = [words.raw_ids(text, 1 << 30) for text in texts]
     controls = [any(c in text for c in EVERY_ASCII if not c.isprintable() and c not in "\t\n\r") for text in texts]
-    assert [ids is None for ids in found] == controls
-    assert [ids for ids in found if ids is not None] == [ids for ids, control in zip(expected, controls) if not control]
-    assert controls.count(False) > 200 and controls.count(True) > 20
+    long_pieces = [any(len(piece) > wordpiece.LONG_PIECE and not piece.isascii()
+                       for piece in wordpiece._WORDS.findall(text)) for text in texts]
+    refused = [control or long for control, long in zip(controls, long_pieces)]
+    assert [ids is None for ids in found] == refused
+    assert [ids for ids in found if ids is not None] == [ids for ids, no in zip(expected, refused) if not no]
+    assert refused.count(False) > 200 and controls.count(True) > 20 and long_pieces.count(True) > 20
 
 
 @pytest.mark.parametrize("change", ["nfkc", "normalized added token"])
@@ -149,10 +156,10 @@ def test_a_limit_stops_the_split_near_it_in_a_long_text(space: str) -> None:
 
 def test_stretches_between_spaces_are_cached_and_long_pieces_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stretch seen once is found whole the next time, none of its words looked up again; a piece
-    longer than MAX_CACHED_CHARS is tokenized each time instead of held."""
+    longer than LONG_PIECE is tokenized each time instead of held."""
     tokenizer = minilm()
     words = WordPieceWords.of(tokenizer, ascii_normalizer(spec_of(tokenizer.normalizer)))
-    long_piece = "x" * (wordpiece.MAX_CACHED_CHARS + 1)
+    long_piece = "x" * (wordpiece.LONG_PIECE + 1)
     text = f"read(path, mode) -> bytes: {long_piece} opens it"
     expected = tokenizer.encode(text, add_special_tokens=False).ids
     assert words.ids(text, 100) == expected
@@ -164,6 +171,18 @@ def test_stretches_between_spaces_are_cached_and_long_pieces_are_not(monkeypatch
 
     assert words.ids(text, 100) == expected
     assert stretches == learned == [long_piece]
+
+
+def test_a_text_with_a_long_piece_that_is_not_ascii_goes_to_the_library() -> None:
+    tokenizer = minilm()
+    words = WordPieceWords.of(tokenizer, ascii_normalizer(spec_of(tokenizer.normalizer)))
+    paragraph = "东京" * (wordpiece.LONG_PIECE // 2) + "。"
+
+    assert words.raw_ids(f"café {paragraph}", 4) is None
+    shorter = f"café {paragraph[:-2]}"
+    found = words.raw_ids(shorter, 4)
+    assert found is not None and len(found) >= 4
+    assert found == tokenizer.encode(shorter, add_special_tokens=False).ids[:len(found)]
 
 
 def test_the_cache_starts_again_when_full(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,8 +9,8 @@ skips the character offsets nobody here reads.
 Four things spare the tokenizer work whose result would be thrown away, each only where it gives
 exactly the ids the library gives for the whole text (tests/test_tokenize.py, tests/test_wordpiece.py):
 - texts and pairs of BERT-style tokenizers (BertPreTokenizer, WordPiece) are split into words here
-  and each word's ids cached (pipelines/wordpiece.py): six times faster than the library on one
-  core, though under the GIL;
+  and the ids of each word and each stretch between spaces cached (pipelines/wordpiece.py): six
+  times faster than the library on one core, though under the GIL;
 - long texts, and pairs' long documents, are tokenized only as far as the kept tokens need
   (encode_cut, TextTokenizer.encode_pairs), for pre-tokenizers that split at spaces (cuts_at_spaces);
 - ASCII texts skip the library's normalizer, which keeps an alignment for every character and took

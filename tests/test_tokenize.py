@@ -61,6 +61,20 @@ def awkward_texts(max_length: int) -> list[str]:
     return texts
 
 
+def cjk_texts(max_length: int) -> list[str]:
+    """Chinese and Japanese with few spaces or none: BERT-style tokenizers cut them between two Chinese
+    characters, never before a combining mark or beside kana, digits or Latin letters."""
+    rng = random.Random(0)
+    pieces = ["东京", "大学", "は", "の", "。", "、", "日本語", "东\u0301", "ｶﾀｶﾅ", "𠀋", "豈", "abc", "１２", "한국"]
+    texts = []
+    for _ in range(20):
+        text = ""
+        while len(text) < max_length * CUT_CHARS_PER_TOKEN * 1.5:
+            text += rng.choice(pieces) + rng.choice(["", "", "", "", " ", "\n"])
+        texts.append(text)
+    return texts
+
+
 @pytest.fixture(scope="module")
 def tokenizers_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tokenizers")
@@ -117,7 +131,7 @@ def test_cut_texts_give_the_whole_texts_tokens(tokenizers_dir: Path, monkeypatch
     right at the last kept token in many texts, where a wrong cut would change it."""
     monkeypatch.setattr(tokenize, "CUT_CHARS_PER_TOKEN", chars_per_token)
     path = tokenizer_path(kind, tokenizers_dir)
-    texts = corpus_texts() + awkward_texts(max_length)
+    texts = corpus_texts() + awkward_texts(max_length) + cjk_texts(max_length)
     expected = whole_tokenizer(path, max_length).encode_batch_fast([text.strip() for text in texts])
 
     encoded = TextTokenizer(path, max_length, by_words=by_words(kind)).encode(texts)
@@ -189,6 +203,39 @@ class CountingTokenizer:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("by_words", [True, False])
+def test_long_chinese_texts_are_cut_between_chinese_characters(by_words: bool) -> None:
+    """Chinese has no spaces to cut at: the library sees only a cut of each long text, and gives its
+    whole text's first tokens."""
+    path, max_length = resolve_model(None).tokenizer_file, 64
+    texts = ["东京大学的研究" * 2000, "日本語の文章です。" * 2000, "中文 " + "数据" * 3000]
+    expected = whole_tokenizer(path, max_length).encode_batch_fast(texts)
+    tokenizer = TextTokenizer(path, max_length, by_words=by_words)
+    tokenizer.tokenizer = CountingTokenizer(tokenizer.tokenizer)
+
+    encoded = tokenizer.encode(texts)
+
+    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected] and all(encoded.truncated)
+    assert max(itertools.chain.from_iterable(tokenizer.tokenizer.calls)) <= max_length * CUT_CHARS_PER_TOKEN
+
+
+def test_chinese_characters_are_no_cut_point_where_they_need_not_be_words_of_their_own(tmp_path: Path) -> None:
+    tokenizer = Tokenizer.from_file(str(resolve_model(None).tokenizer_file))
+    assert TextTokenizer(resolve_model(None).tokenizer_file, 64)._ideograph_cuts
+    tokenizer.normalizer = normalizers.BertNormalizer(handle_chinese_chars=False)
+    tokenizer.save(str(tmp_path / "no-chinese.json"))
+    tokenizer.normalizer = normalizers.BertNormalizer()
+    tokenizer.add_tokens(["东京"])
+    tokenizer.save(str(tmp_path / "added.json"))
+    for name in ("no-chinese.json", "added.json"):
+        text = "东京大学的研究" * 200
+        expected = whole_tokenizer(tmp_path / name, 64).encode(text).ids
+
+        cut = TextTokenizer(tmp_path / name, 64)
+
+        assert not cut._ideograph_cuts and cut.encode([text]).ids[0].tolist() == expected
 
 
 def test_a_cut_that_falls_short_is_widened_until_it_overflows() -> None:

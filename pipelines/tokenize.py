@@ -133,11 +133,9 @@ class TextTokenizer:
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length)
         self.file, self.max_length = Path(tokenizer_file), max_length
-        self._cuts = cuts_at_spaces(spec_of(self.tokenizer.pre_tokenizer))
+        pre_tokenizer = spec_of(self.tokenizer.pre_tokenizer)
+        self._cuts = cuts_at_spaces(pre_tokenizer)
         normalizer = spec_of(self.tokenizer.normalizer)
-        self._ideograph_cuts = self._cuts and cuts_between_ideographs(
-            normalizer, spec_of(self.tokenizer.pre_tokenizer),
-            [token.content for token in self.tokenizer.get_added_tokens_decoder().values()])
         self._normalize = ascii_normalizer(normalizer)
         self._no_normalizer = normalizer is None  # then every text's normal form is known, not only ASCII
         # Texts the normalizer would leave as they are go to a copy without it; pairs put together
@@ -158,6 +156,7 @@ class TextTokenizer:
         normalize = self.tokenizer.normalizer.normalize_str if self.tokenizer.normalizer else str
         self._added_raw = _any_of(contents)
         self._added_normalized = _any_of(contents + [normalize(content) for content in contents])
+        self._ideograph_cuts = self._cuts and cuts_between_ideographs(normalizer, pre_tokenizer, contents)
 
     @functools.cached_property
     def _bare_pieces(self) -> Tokenizer:
@@ -182,7 +181,7 @@ class TextTokenizer:
         room = self._room["single"]
         if self._templates["single"] is None or room <= 0 or (ids := self._word_ids(text, bare, room + 1)) is None:
             return None
-        return self._fill_template("single", ids[:room])[0], len(ids) > room
+        return np.concatenate(self._segments("single", ids[:room])), len(ids) > room
 
     def _pair_by_words(self, pair: tuple[str, str], bare: tuple[str | None, str | None]) -> PairResult | None:
         """A pair's result word by word, when its query is short (see encode_pairs); else None."""
@@ -196,7 +195,7 @@ class TextTokenizer:
         document = self._word_ids(pair[1], bare[1], left + 1)
         if document is None:
             return None
-        ids, types = self._fill_template("pair", query, document[:left])
+        ids, types = self._fill_pair_template(query, document[:left])
         return ids, types, len(document) > left
 
     def _word_ids(self, text: str, bare: str | None, limit: int) -> list[int] | None:
@@ -239,10 +238,10 @@ class TextTokenizer:
         """
         pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
         normal_forms = {text: self._bare_text(text) for pair in pairs for text in pair}  # a query recurs per pair
-        bare = [(normal_forms[a], normal_forms[b]) for a, b in pairs]
-        bare = [pair if None not in pair else None for pair in bare]
+        normal = [(normal_forms[a], normal_forms[b]) for a, b in pairs]
+        bare = [pair if None not in pair else None for pair in normal]
         results = {i: result for i, pair in enumerate(pairs)
-                   if (result := self._pair_by_words(pair, (normal_forms[pair[0]], normal_forms[pair[1]]))) is not None}
+                   if (result := self._pair_by_words(pair, normal[i])) is not None}
         rest = [i for i in range(len(pairs)) if i not in results]
         if rest:
             by_library = self._pairs_by_library([pairs[i] for i in rest], [bare[i] for i in rest])
@@ -294,7 +293,7 @@ class TextTokenizer:
         queries = list(dict.fromkeys(bare[i][0] for i in usable))
         query_ids = dict(zip(queries, (np.asarray(e.ids, dtype=np.int32) for e in
                                        self._bare_pieces.encode_batch_fast(queries, add_special_tokens=False))))
-        room = self.max_length - self.tokenizer.num_special_tokens_to_add(True)
+        room = self._room["pair"]
         short = {query: ShortQuery(ids, room - len(ids)) for query, ids in query_ids.items()
                  if room > 0 and len(ids) <= room // 2}
         return {i: short[bare[i][0]] for i in usable if bare[i][0] in short}
@@ -319,7 +318,7 @@ class TextTokenizer:
             # A cut with exactly `left` tokens may be all the document has (a model that drops what it
             # cannot encode): only the tokenizer can say whether the pair was truncated.
             if whole or len(document) > query.left:
-                ids, types = self._fill_template("pair", query.ids, document[:query.left])
+                ids, types = self._fill_pair_template(query.ids, document[:query.left])
                 results[i] = ids, types, len(document) > query.left
         return results
 
@@ -348,14 +347,17 @@ class TextTokenizer:
         return {text: np.asarray(list(itertools.chain.from_iterable(part)), dtype=np.int32)
                 for text, part in parts.items()}
 
-    def _fill_template(self, kind: str, *sequences: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The ids and token types of the `kind` template ("single" or "pair") around the sequences' ids."""
-        layout = self._templates[kind]
+    def _segments(self, kind: str, *sequences: Sequence[int]) -> list[np.ndarray]:
+        """The `kind` template's ("single" or "pair") parts, the sequences' ids in place of A (and B)."""
         named = dict(zip("AB", sequences))
-        segments = [np.asarray(named[part], dtype=np.int32) if isinstance(part, str) else part for part, _ in layout]
-        ids = np.concatenate(segments)
-        types = np.array([type_id for _, type_id in layout], dtype=np.int32)
-        return ids, np.repeat(types, [len(segment) for segment in segments])
+        return [np.asarray(named[part], dtype=np.int32) if isinstance(part, str) else part
+                for part, _ in self._templates[kind]]
+
+    def _fill_pair_template(self, first: Sequence[int], second: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The ids and token types of the pair template around two sequences' ids."""
+        segments = self._segments("pair", first, second)
+        types = np.array([type_id for _, type_id in self._templates["pair"]], dtype=np.int32)
+        return np.concatenate(segments), np.repeat(types, [len(segment) for segment in segments])
 
 
 def encode_cut(tokenizer: Tokenizer, texts: list[str], max_length: int, cut: bool = True,

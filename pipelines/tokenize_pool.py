@@ -1,4 +1,4 @@
-"""TokenizerPool: chunks of texts tokenized in the background, on threads or in worker processes.
+"""TokenizerPool: chunks of texts or text pairs tokenized in the background, on threads or in worker processes.
 
 The tokenizer's Rust threads release the GIL, but every text's ids still become a Python list and
 then an array under it, and that share grows with the threads: one process on 16 threads made 4.9M
@@ -10,8 +10,8 @@ A worker is `python -m pipelines.tokenize_pool`, started with subprocess in a se
 multiprocessing's spawn would import the parent's main module first (torch, for a benchmark), and
 its executor waits at shutdown for workers still starting; a fork could inherit locks held by the
 parent's other threads. Chunks go down a worker's stdin and come back, pickled and in order,
-through a pipe of their own: ids as one flat int32 array with the lengths, three buffers rather
-than a thousand objects. A worker loads its own tokenizer, which takes a few tenths of a second;
+through a pipe of their own: ids (and pairs' token types) as flat int32 arrays with the lengths,
+a few buffers rather than a thousand objects. A worker loads its own tokenizer, which takes a few tenths of a second;
 until every worker has, chunks go to two threads of this process, so a short run does not wait for
 them. Ctrl-C reaches the parent only; closing the pool kills the workers, which hold nothing worth
 waiting for.
@@ -53,6 +53,11 @@ MIN_CORES = 8
 # (bench/results/gpu-2026-11-30-run37-index-loop).
 MIN_ROWS = 20_000
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the folder holding pipelines/ and engine/
+# What goes down to a worker: texts, or the first texts of pairs with their second texts.
+Chunk = tuple[list[str], list[str] | None]
+# What comes back: ids back to back, each text's length, whether each was truncated, and token types
+# back to back for pairs.
+Packed = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]
 
 
 def default_processes(on_gpu: bool, rows: int | None = None, cores: int = CORES) -> int:
@@ -72,7 +77,8 @@ def check_processes(processes: int | None) -> None:
 
 
 class TokenizerPool:
-    """submit(texts) is a future of tokenizer.encode(texts); callers keep the futures in their order.
+    """submit(texts) is a future of tokenizer.encode(texts), submit_pairs(firsts, seconds) one of
+    tokenizer.encode_pairs(firsts, seconds); callers keep the futures in their order.
 
     With processes=0 every chunk runs on this process's threads; so does every chunk after a worker
     has died (a server keeps serving; the chunks that worker held fail with a UserError). Use it as
@@ -112,11 +118,21 @@ class TokenizerPool:
         return 2 * self.processes if self.in_workers else THREADS
 
     def submit(self, texts: Sequence[str]) -> Future[Encoded]:
+        return self._submit(texts, None)
+
+    def submit_pairs(self, firsts: Sequence[str], seconds: Sequence[str]) -> Future[Encoded]:
+        return self._submit(firsts, seconds)
+
+    def _submit(self, texts: Sequence[str], seconds: Sequence[str] | None) -> Future[Encoded]:
+        """A chunk of texts, or of pairs (texts[i], seconds[i]), to the least busy worker, or to a thread."""
         if self._closed:
             raise RuntimeError("the tokenizer pool is closed")
         if not self.in_workers:
-            return self._threads.submit(self.tokenizer.encode, texts)
-        return min(self._workers, key=lambda worker: len(worker.pending)).submit(list(texts))
+            if seconds is None:
+                return self._threads.submit(self.tokenizer.encode, texts)
+            return self._threads.submit(self.tokenizer.encode_pairs, texts, seconds)
+        chunk = (list(texts), None if seconds is None else list(seconds))
+        return min(self._workers, key=lambda worker: len(worker.pending)).submit(chunk)
 
     def close(self) -> None:
         self._closed = True
@@ -156,7 +172,7 @@ class _Worker:
         self.pending: deque[Future[Encoded]] = deque()  # submitted, not answered, in order
         self._lock = threading.Lock()
         self._closing = False
-        self._outbox: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
         self._io = [threading.Thread(target=target, name=f"embedctl-tokenize-{name}", daemon=True)
                     for target, name in ((self._write, "in"), (self._read, "out"))]
         for thread in self._io:
@@ -166,13 +182,13 @@ class _Worker:
     def ready(self) -> bool:
         return self.settled.is_set() and self.failure is None
 
-    def submit(self, texts: list[str]) -> Future[Encoded]:
+    def submit(self, chunk: Chunk) -> Future[Encoded]:
         result: Future[Encoded] = Future()
         with self._lock:  # the queue and the outbox in the same order, whichever thread submits
             if self.failure is not None:
                 raise self.failure
             self.pending.append(result)
-            self._outbox.put(texts)
+            self._outbox.put(chunk)
         return result
 
     def close(self) -> None:
@@ -188,8 +204,8 @@ class _Worker:
 
     def _write(self) -> None:
         try:
-            while (texts := self._outbox.get()) is not None:
-                pickle.dump(texts, self.process.stdin, pickle.HIGHEST_PROTOCOL)
+            while (chunk := self._outbox.get()) is not None:
+                pickle.dump(chunk, self.process.stdin, pickle.HIGHEST_PROTOCOL)
                 self.process.stdin.flush()
         except OSError:  # the worker is gone; _read tells the callers
             pass
@@ -237,16 +253,24 @@ def _death(code: int) -> str:
             "in the main process")
 
 
-def _unpack(flat: np.ndarray, lengths: np.ndarray, truncated: np.ndarray) -> Encoded:
-    ids = np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
-    return Encoded(ids=ids, truncated=truncated.tolist())
+def _unpack(flat: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, flat_types: np.ndarray | None) -> Encoded:
+    cuts = np.cumsum(lengths)[:-1]
+    ids = np.split(flat, cuts) if len(lengths) else []
+    type_ids = None if flat_types is None else np.split(flat_types, cuts) if len(lengths) else []
+    return Encoded(ids=ids, truncated=truncated.tolist(), type_ids=type_ids)
 
 
-def _encode(tokenizer: TextTokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    encoded = tokenizer.encode(texts)
+def _encode(tokenizer: TextTokenizer, chunk: Chunk) -> Packed:
+    texts, seconds = chunk
+    encoded = tokenizer.encode(texts) if seconds is None else tokenizer.encode_pairs(texts, seconds)
     lengths = np.fromiter(map(len, encoded.ids), np.int64, len(encoded.ids))
-    flat = np.concatenate(encoded.ids) if encoded.ids else np.empty(0, np.int32)
-    return flat, lengths, np.asarray(encoded.truncated, dtype=bool)
+    flat = _flat(encoded.ids)
+    types = None if encoded.type_ids is None else _flat(encoded.type_ids)
+    return flat, lengths, np.asarray(encoded.truncated, dtype=bool), types
+
+
+def _flat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.empty(0, np.int32)
 
 
 def _serve(tokenizer_file: str, max_length: str, answers_fd: str) -> None:
@@ -261,11 +285,11 @@ def _serve(tokenizer_file: str, max_length: str, answers_fd: str) -> None:
     answers.flush()
     while True:
         try:
-            texts = pickle.load(requests)
+            chunk = pickle.load(requests)
         except EOFError:
             return
         try:
-            pickle.dump(_encode(tokenizer, texts), answers, pickle.HIGHEST_PROTOCOL)
+            pickle.dump(_encode(tokenizer, chunk), answers, pickle.HIGHEST_PROTOCOL)
         except Exception as error:  # noqa: BLE001 - handed to the caller
             answers.write(_pickled_error(error))
         answers.flush()

@@ -25,6 +25,9 @@ def tokenizer() -> TextTokenizer:
 def assert_same(got: object, want: object) -> None:
     assert [ids.tolist() for ids in got.ids] == [ids.tolist() for ids in want.ids]
     assert got.truncated == want.truncated
+    assert (got.type_ids is None) == (want.type_ids is None)
+    if want.type_ids is not None:
+        assert [types.tolist() for types in got.type_ids] == [types.tolist() for types in want.type_ids]
 
 
 def test_workers_give_what_the_tokenizer_gives(tokenizer: TextTokenizer) -> None:
@@ -38,6 +41,19 @@ def test_workers_give_what_the_tokenizer_gives(tokenizer: TextTokenizer) -> None
             assert_same(future.result(timeout=60), tokenizer.encode(chunk))
     assert futures[0].result().truncated[3]  # the long text was cut in a worker, and said so
     assert child_processes() == before
+
+
+def test_workers_give_the_pairs_the_tokenizer_gives(tokenizer: TextTokenizer) -> None:
+    """Pairs (a query with each text, a long query with a long text) come back with their token types."""
+    chunks = [(["a question"] * len(TEXTS), TEXTS), ([TEXTS[3]] * 2, [TEXTS[3], "short"]), ([], [])]
+    with TokenizerPool(tokenizer, processes=2) as pool:
+        pool.wait_for_workers()
+        futures = [pool.submit_pairs(firsts, seconds) for firsts, seconds in chunks]
+        for (firsts, seconds), future in zip(chunks, futures):
+            assert_same(future.result(timeout=60), tokenizer.encode_pairs(firsts, seconds))
+    assert futures[0].result().truncated[3] and futures[1].result().truncated == [True, True]
+    with TokenizerPool(tokenizer, processes=0) as pool:  # on this process's threads
+        assert_same(pool.submit_pairs(*chunks[0]).result(), tokenizer.encode_pairs(*chunks[0]))
 
 
 def test_chunks_submitted_before_the_workers_start_run_on_threads(tokenizer: TextTokenizer) -> None:

@@ -1,11 +1,12 @@
 """The low-latency ranking suite: a cross-encoder scoring 5, 25 and 50 (query, document) pairs of 512 tokens.
 
 Ours: pipelines.score.pair_scores, the path `embedctl score --reranker` runs (pairs tokenized in
-small groups while the device runs the groups before; CUDA graphs, pinned readback), on documents
-its tokenizer has not seen (UnseenDocuments: the tokenizer caches the ids of each stretch of text
-between spaces, so the same documents again would flatter it); beside it, the same on the same
-documents every call (as runs before run80 measured), and its two parts alone: the tokenizer in the
-same groups on unseen documents, and the model on the pairs tokenized beforehand. The graphs are
+small groups by the tokenizer's worker processes, side by side, while the device runs the groups
+before; CUDA graphs, pinned readback), on documents its tokenizer has not seen (UnseenDocuments: the
+tokenizer caches the ids of each stretch of text between spaces, so the same documents again would
+flatter it). Beside it: the same with the pairs tokenized in this process (ours_in_process; "ours"
+up to run80), and its two parts alone: that tokenizer in the same groups, and the model on the
+pairs tokenized beforehand. The graphs are
 captured at load (EngineConfig.warmup, as `embedctl serve` does): steps gather as many pairs as the
 device's pace lets through, so their sizes vary from call to call, and without it a call now and
 then would capture a new size's graph while timed. Peer: sentence-transformers' CrossEncoder.predict
@@ -21,6 +22,7 @@ import argparse
 import json
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -28,8 +30,9 @@ import torch
 
 from bench.common import percentiles
 from engine import Engine, EngineConfig
-from pipelines.score import pair_groups, pair_scores
+from pipelines.score import PAIR_GROUP, pair_groups, pair_scores
 from pipelines.tokenize import TextTokenizer
+from pipelines.tokenize_pool import TokenizerPool, default_processes
 from tests.models import BERT_BASE, SMALL_BERT, save_random_model
 
 PAIRS = (5, 25, 50)
@@ -42,6 +45,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("bench-out/rerank"))
     parser.add_argument("--attention", default="auto")
+    parser.add_argument("--processes", type=int, help="tokenizer worker processes (default: as `embedctl score`)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -51,26 +55,30 @@ def main() -> None:
                              "BertForSequenceClassification", num_labels=1, **shape)
     engine = Engine.load(str(path), EngineConfig(attention=args.attention, warmup=not args.smoke))
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
-    pool = long_documents(args.corpus, tokenizer)
-    docs = pool[:max(PAIRS)]
+    documents = long_documents(args.corpus, tokenizer)
+    docs = documents[:max(PAIRS)]
+    processes = default_processes(engine.device.type == "cuda") if args.processes is None else args.processes
+    new_tokenizer = partial(TextTokenizer, engine.files.tokenizer_file, engine.max_length)
     results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-               "attention": engine.attention, "dtype": str(engine.dtype), "pair_tokens": engine.max_length, "points": {}}
+               "attention": engine.attention, "dtype": str(engine.dtype), "pair_tokens": engine.max_length,
+               "tokenizer_processes": processes, "points": {}}
     # fp16 is how the peer figures in ../shared/gpu/README.md were taken; fp32 is CrossEncoder's default.
     peers = {"sentence_transformers_fp16": cross_encoder(path, torch.float16, engine.max_length),
              "sentence_transformers_fp32": cross_encoder(path, torch.float32, engine.max_length)}
     for pairs in PAIRS:
         queries, texts = [QUERY] * pairs, docs[:pairs]
-
         encoded = tokenizer.encode_pairs(queries, texts)
-        unseen = UnseenDocuments(pool, pairs, lambda: TextTokenizer(engine.files.tokenizer_file, engine.max_length))
-        point = {"ours": percentiles(lambda: pair_scores(engine, unseen.tokenizer, queries, unseen.texts), repeats,
-                                     before=unseen.advance),
-                 "ours_same_documents": percentiles(lambda: pair_scores(engine, tokenizer, queries, texts), repeats),
-                 # where the time goes: the tokenizer alone, in pair_scores' groups; the model alone on
-                 # pairs tokenized beforehand, packed at the token budget
-                 "ours_tokenize_only": percentiles(lambda: tokenize_in_groups(unseen.tokenizer, queries, unseen.texts),
-                                                   repeats, before=unseen.advance),
-                 "ours_model_only": percentiles(lambda: engine.embed(encoded.ids, encoded.type_ids), repeats)}
+        with UnseenDocuments(documents, pairs, new_tokenizer, processes) as unseen, \
+                UnseenDocuments(documents, pairs, new_tokenizer) as here:
+            point = {"ours": percentiles(lambda: pair_scores(engine, unseen.tokenizer, queries, unseen.texts, pool=unseen.workers),
+                                         repeats, before=unseen.advance),
+                     "ours_in_process": percentiles(lambda: pair_scores(engine, here.tokenizer, queries, here.texts), repeats,
+                                                    before=here.advance),
+                     # where the time goes in this process: the tokenizer alone, in pair_scores' groups;
+                     # the model alone on pairs tokenized beforehand, packed at the token budget
+                     "ours_tokenize_only": percentiles(lambda: tokenize_in_groups(here.tokenizer, queries, here.texts),
+                                                       repeats, before=here.advance),
+                     "ours_model_only": percentiles(lambda: engine.embed(encoded.ids, encoded.type_ids), repeats)}
         for name, peer in peers.items():
             point[name] = percentiles(lambda: peer.predict(list(zip(queries, texts)), batch_size=pairs), repeats)
         results["points"][pairs] = point
@@ -107,23 +115,51 @@ def long_documents(corpus: Path, tokenizer: TextTokenizer, count: int | None = N
 
 class UnseenDocuments:
     """Documents for timed calls that the tokenizer has not seen, as a server meets new ones, with a
-    cache warmed as a server's would be: a tokenizer that has tokenized every other document of the
-    pool takes the rest in turn, `pairs` a call; when they run out, a new tokenizer is warmed the
-    same way. advance() does this work before each call, untimed."""
+    cache warmed as a server's would be: a tokenizer that has tokenized every other document takes
+    the rest in turn, `pairs` a call; when they run out, a new tokenizer is warmed the same way.
+    With processes, the tokenizer has that many worker processes (`workers`, for pair_scores), and
+    each worker's cache is warmed by its share of the documents, in the small groups pair_scores
+    hands out. advance() does this work before each call, untimed."""
 
-    def __init__(self, pool: list[str], pairs: int, new_tokenizer: Callable[[], TextTokenizer]) -> None:
-        self.seen, self.unseen, self.pairs, self.new_tokenizer = pool[0::2], pool[1::2], pairs, new_tokenizer
+    def __init__(self, documents: list[str], pairs: int, new_tokenizer: Callable[[], TextTokenizer],
+                 processes: int = 0) -> None:
+        self.seen, self.unseen, self.pairs = documents[0::2], documents[1::2], pairs
+        self.new_tokenizer, self.processes = new_tokenizer, processes
         assert len(self.unseen) >= pairs, "the corpus makes too few documents"
         self.tokenizer: TextTokenizer | None = None  # made by the first advance()
+        self.workers: TokenizerPool | None = None
         self.texts, self.next = [], len(self.unseen)
 
     def advance(self) -> None:
         if self.next + self.pairs > len(self.unseen):
-            self.tokenizer = self.new_tokenizer()
-            self.tokenizer.encode_pairs([QUERY] * len(self.seen), self.seen)
+            self._renew()
             self.next = 0
         self.texts = self.unseen[self.next:self.next + self.pairs]
         self.next += self.pairs
+
+    def _renew(self) -> None:
+        self.close()
+        self.tokenizer = self.new_tokenizer()
+        if not self.processes:
+            self.tokenizer.encode_pairs([QUERY] * len(self.seen), self.seen)
+            return
+        self.workers = TokenizerPool(self.tokenizer, self.processes)
+        self.workers.wait_for_workers()
+        groups = [self.workers.submit_pairs([QUERY] * PAIR_GROUP, self.seen[start:start + PAIR_GROUP])
+                  for start in range(0, len(self.seen) - PAIR_GROUP + 1, PAIR_GROUP)]
+        for group in groups:
+            group.result()
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+
+    def __enter__(self) -> UnseenDocuments:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
 
 def cross_encoder(path: Path, dtype: torch.dtype, max_length: int):  # noqa: ANN201 - a bench-only import

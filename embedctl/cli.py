@@ -213,6 +213,7 @@ def score(
     max_batch_tokens: BatchTokensOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize the reranker's pairs in N worker processes, 0 in this one (default: one per 4 cores when the reranker runs on a GPU and there are at least 8 cores, else 0).")] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the summary and metrics as JSON to this file.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
 ) -> None:
@@ -229,7 +230,8 @@ def score(
         options = ScoreOptions(queries=queries, docs=docs, index=index, table=table, reranker=reranker, rerank_depth=rerank_depth,
                                qrels=qrels, out=out, top_k=top_k, format=run_format.value, overwrite=overwrite,
                                text_col=text_col, id_col=id_col, query_prompt=query_prompt, doc_prompt=doc_prompt,
-                               query_prompt_name=query_prompt_name, doc_prompt_name=doc_prompt_name)
+                               query_prompt_name=query_prompt_name, doc_prompt_name=doc_prompt_name,
+                               tokenizer_processes=tokenizer_processes)
         inputs = open_inputs(options)  # bad inputs should not wait for a model to load
         config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens)  # the reranker's
         query_config = replace(config, max_length=max_length, dim=dim)

@@ -25,6 +25,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,7 +39,8 @@ from engine.errors import UserError, short_reason
 from pipelines.progress import Progress, plural
 from pipelines.qrels import CUTOFF, Metrics, Qrels, evaluate, read_qrels
 from pipelines.readers import Chunk, CorpusReader
-from pipelines.tokenize import TextTokenizer, resolve_prompt
+from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
+from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
 from pipelines.writers import database_tables
 
 FORMATS = ("jsonl", "trec")
@@ -51,6 +53,10 @@ RERANK_QUERY_BLOCK = 256
 # EVEN_PAIR_GROUPS groups; each later group is twice the one before.
 PAIR_GROUP = 2
 EVEN_PAIR_GROUPS = 4
+# The largest group of pairs a tokenizer worker process takes at once, about 6 ms of its time for pairs
+# of 512 tokens: large enough that handing it over costs little, small enough that the workers' last
+# groups end close together.
+POOL_LARGEST_GROUP = 32
 # Steps a reranker's device may have queued before the pairs tokenized since are held back for a
 # larger step (see pair_scores): with none, BERT-base on the H200 reranked 5 / 25 / 50 pairs in
 # 1.95-1.99 / 6.86-7.08 / 12.37-13.32 ms, with one in 2.20-2.21 / 7.39-7.50 / 12.76-13.02
@@ -79,6 +85,10 @@ class ScoreOptions:
     query_prompt_name: str | None = None  # a prompt of the model's sentence-transformers config
     doc_prompt_name: str | None = None
     chunk_rows: int = 1024
+    tokenizer_processes: int | None = None  # worker processes that tokenize the reranker's pairs; None: default_processes
+
+    def __post_init__(self) -> None:
+        check_processes(self.tokenizer_processes)
 
 
 @dataclass(frozen=True)
@@ -334,9 +344,9 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
 
 
 def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking: Ranking, texts: dict[str, str],
-           top_k: int, progress: Progress | None = None) -> Ranking:
+           top_k: int, progress: Progress | None = None, pool: TokenizerPool | None = None) -> Ranking:
     """Rescore every query's hits with a cross-encoder, best first (ties keep the first ranking's order);
-    progress counts queries, each once its last pair is scored."""
+    progress counts queries, each once its last pair is scored. pool: see pair_scores."""
     started = time.perf_counter()
     doc_ids: list[list[str]] = []
     scores: list[np.ndarray] = []
@@ -350,7 +360,7 @@ def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking
         seconds = [texts[doc_id] for q in block for doc_id in ranking.doc_ids[q]]
         scored = (_queries_scored(progress, start, [len(ranking.doc_ids[q]) for q in block], total)
                   if progress is not None else None)
-        block_scores = pair_scores(reranker, tokenizer, firsts, seconds, scored)
+        block_scores = pair_scores(reranker, tokenizer, firsts, seconds, scored, pool)
         if scored is not None:
             scored(len(firsts))  # a block of queries without hits has no pairs to report it
         pairs += len(firsts)
@@ -367,16 +377,22 @@ def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking
 
 
 def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], seconds: list[str],
-                scored: Callable[[int], None] | None = None) -> np.ndarray:
+                scored: Callable[[int], None] | None = None, pool: TokenizerPool | None = None) -> np.ndarray:
     """A cross-encoder's score for each (first, second) pair, float32 [pairs].
 
     For a handful of long pairs, tokenizing costs about as much as the model. So the pairs are
     tokenized in small groups (pair_groups), and the device is given the pairs tokenized so far
-    once it has fewer than QUEUED_STEPS steps left to run: the first step starts after the first
-    group, and while the device is busy the next groups gather into one larger step, which the
-    device runs faster per pair (each BERT-base step costs the H200 about 0.45 ms besides its
-    pairs). A step also leaves when it fills the token budget, and the last group's pairs leave at
-    once. On the CPU a step is done before step() returns, so each group is a step.
+    once it has fewer than QUEUED_STEPS steps left to run and the next group is not tokenized yet:
+    the first step starts after the first group, and while the device is busy the next groups
+    gather into one larger step, which the device runs faster per pair (each BERT-base step costs
+    the H200 about 0.45 ms besides its pairs). A step also leaves when it fills the token budget,
+    and the last group's pairs leave at once. On the CPU a step is done before step() returns, so
+    each group is a step.
+
+    With a pool whose worker processes have started, every group is handed to them at once and
+    they tokenize side by side, each group as its worker gets to it; without one, the groups are
+    tokenized here, one after the other, between steps. On the H200 host one process tokenized
+    unseen pairs of 512 tokens about as fast as the device scored them, so the scores waited on it.
 
     scored, when given, hears how many pairs (from the first) have their scores, each time that grows.
     For it, the results already ready are taken between steps, in order and without waiting on any, so
@@ -400,14 +416,28 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
             pending.append(reranker.step(batch))
             take(wait=False)
 
-    for start, end in pair_groups(len(firsts)):
-        encoded = tokenizer.encode_pairs(firsts[start:end], seconds[start:end])
+    for encoded, next_ready in _tokenized_groups(tokenizer, pool, firsts, seconds):
         for ids, types in zip(encoded.ids, encoded.type_ids):
             enqueue(packer.add(ids, None, types))
-        if end == len(firsts) or sum(not lazy.ready() for lazy in pending) < QUEUED_STEPS:
+        if next_ready is None or (not next_ready and sum(not lazy.ready() for lazy in pending) < QUEUED_STEPS):
             enqueue(packer.flush())
     take(wait=True)
     return np.concatenate(scores) if scores else np.zeros(0, dtype=np.float32)
+
+
+def _tokenized_groups(tokenizer: TextTokenizer, pool: TokenizerPool | None, firsts: list[str],
+                      seconds: list[str]) -> Iterator[tuple[Encoded, bool | None]]:
+    """Each group's pairs tokenized, in order, with whether the next group's are at hand already (None
+    after the last group): from the pool's workers when it has them running, else tokenized here."""
+    if pool is None or not pool.in_workers:
+        groups = list(pair_groups(len(firsts)))
+        for index, (start, end) in enumerate(groups):
+            yield tokenizer.encode_pairs(firsts[start:end], seconds[start:end]), False if index + 1 < len(groups) else None
+        return
+    futures = [pool.submit_pairs(firsts[start:end], seconds[start:end])
+               for start, end in pair_groups(len(firsts), even_groups=2 * pool.processes, largest=POOL_LARGEST_GROUP)]
+    for index, future in enumerate(futures):
+        yield future.result(), futures[index + 1].done() if index + 1 < len(futures) else None
 
 
 def _queries_scored(progress: Progress, first: int, hits: list[int], total: int) -> Callable[[int], None]:
@@ -426,9 +456,10 @@ def _queries_scored(progress: Progress, first: int, hits: list[int], total: int)
     return scored
 
 
-def pair_groups(pairs: int) -> Iterator[tuple[int, int]]:
-    """(start, end) of each group of pairs tokenized together: EVEN_PAIR_GROUPS groups of PAIR_GROUP
-    pairs, then groups that double, the last what is left.
+def pair_groups(pairs: int, even_groups: int | None = None, largest: int | None = None) -> Iterator[tuple[int, int]]:
+    """(start, end) of each group of pairs tokenized together: even_groups (None: EVEN_PAIR_GROUPS)
+    groups of PAIR_GROUP pairs, then groups that double up to `largest` pairs (None: without limit),
+    the last what is left.
 
     Small first groups start the device early (see pair_scores); the many queries of a block then
     rerank in groups that grow, so that the tokenizer's calls stay few and, on the CPU, where each
@@ -438,8 +469,8 @@ def pair_groups(pairs: int) -> Iterator[tuple[int, int]]:
     while start < pairs:
         yield start, min(start + group, pairs)
         start, groups = start + group, groups + 1
-        if groups >= EVEN_PAIR_GROUPS:
-            group *= 2
+        if groups >= (EVEN_PAIR_GROUPS if even_groups is None else even_groups):
+            group = group * 2 if largest is None else min(group * 2, largest)
 
 
 def document_texts(inputs: Inputs, wanted: set[str]) -> dict[str, str]:
@@ -464,7 +495,8 @@ def run_score(engine: Engine, tokenizer: TextTokenizer, inputs: Inputs, options:
               reranker: tuple[Engine, TextTokenizer] | None = None,
               bars: Callable[[str, str], Progress] | None = None) -> tuple[Ranking, Metrics | None]:
     """The whole command after loading: rank, rerank when asked, evaluate against qrels when given.
-    bars(label, unit), when given, makes the progress callback of each phase."""
+    bars(label, unit), when given, makes the progress callback of each phase. The reranker's worker
+    processes (options.tokenizer_processes) start first, so that they are ready when ranking ends."""
     if engine.num_labels:
         raise UserError(f"{engine.files.name} is a cross-encoder; pass it with --reranker and a bi-encoder with --model")
     if reranker is not None and reranker[0].num_labels != 1:
@@ -476,19 +508,28 @@ def run_score(engine: Engine, tokenizer: TextTokenizer, inputs: Inputs, options:
     # nDCG@10 and MRR@10 need ten hits per query, whatever --top-k the run file keeps: with --qrels the
     # first stage goes ten deep, and what the reranker rescores and the run file hold stay as asked.
     depth = max(options.top_k, reranked, CUTOFF if inputs.qrels else 0)
-    first = rank(engine, tokenizer, inputs.queries, inputs.table or inputs.docs, options, top_k=depth,
-                 progress=bars("ranking", "documents") if bars else None)
-    ranking, judged = first, first.doc_ids
-    if reranker is not None:
-        shortlist = first.top(reranked)
-        wanted = {doc_id for hits in shortlist.doc_ids for doc_id in hits}
-        ranking = rerank(*reranker, inputs.queries, shortlist, document_texts(inputs, wanted), reranked,
-                         progress=bars("reranking", "queries") if bars else None)
-        # The metrics read the reranked hits, then the first stage's next ones in its order.
-        judged = [hits + deeper[reranked:] for hits, deeper in zip(ranking.doc_ids, first.doc_ids)]
+    with _pair_pool(reranker, options.tokenizer_processes) if reranker is not None else nullcontext() as pool:
+        first = rank(engine, tokenizer, inputs.queries, inputs.table or inputs.docs, options, top_k=depth,
+                     progress=bars("ranking", "documents") if bars else None)
+        ranking, judged = first, first.doc_ids
+        if reranker is not None:
+            shortlist = first.top(reranked)
+            wanted = {doc_id for hits in shortlist.doc_ids for doc_id in hits}
+            ranking = rerank(*reranker, inputs.queries, shortlist, document_texts(inputs, wanted), reranked,
+                             progress=bars("reranking", "queries") if bars else None, pool=pool)
+            # The metrics read the reranked hits, then the first stage's next ones in its order.
+            judged = [hits + deeper[reranked:] for hits, deeper in zip(ranking.doc_ids, first.doc_ids)]
     metrics = evaluate(ranking.query_ids, judged, inputs.qrels, options.top_k, ranking.corpus_ids) \
         if inputs.qrels else None
     return ranking.top(options.top_k), metrics
+
+
+def _pair_pool(reranker: tuple[Engine, TextTokenizer], processes: int | None) -> TokenizerPool:
+    """The pool that tokenizes the reranker's pairs: `processes` workers, by default as many as an
+    index beside the same device would have, whatever the number of pairs (they start while the
+    first stage ranks)."""
+    engine, tokenizer = reranker
+    return TokenizerPool(tokenizer, default_processes(engine.device.type == "cuda") if processes is None else processes)
 
 
 def write_run(ranking: Ranking, options: ScoreOptions) -> None:

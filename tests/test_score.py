@@ -33,6 +33,7 @@ from pipelines.score import (Queries, Ranking, RunningTopK, ScoreOptions, open_i
 from engine import Engine, LazyTensor, PackedBatch, UserError
 from tests.models import minilm_path, save_random_model
 from pipelines.readers import Chunk
+from pipelines.tokenize_pool import TokenizerPool
 from tests.files import snapshot, write_jsonl
 from tests.files import ENV, assert_one_error_line, good_rows, run_cli, run_cli_in_terminal
 
@@ -340,6 +341,15 @@ def test_pair_groups_hold_even_groups_then_double(monkeypatch: pytest.MonkeyPatc
     assert [start for start, _ in groups] == [sum(sizes[:i]) for i in range(len(sizes))]
 
 
+@pytest.mark.parametrize(("pairs", "sizes"), [(5, [2, 2, 1]), (14, [2, 2, 2, 2, 2, 2, 2]),
+                                              (40, [2, 2, 2, 2, 2, 2, 4, 8, 8, 8])])
+def test_pair_groups_grow_no_larger_than_the_largest(pairs: int, sizes: list[int]) -> None:
+    groups = list(pair_groups(pairs, even_groups=6, largest=8))
+
+    assert [end - start for start, end in groups] == sizes
+    assert [start for start, _ in groups] == [sum(sizes[:i]) for i in range(len(sizes))]
+
+
 # Documents from a table built by `embedctl index`
 
 
@@ -489,6 +499,28 @@ def test_pairs_gather_into_one_step_while_the_device_has_steps_queued(cross_enco
     assert cpu.step_pairs == [2, 2, 2, 2, 2]
 
 
+def test_pairs_tokenized_in_worker_processes_score_as_in_this_one(cross_encoder: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a pool's workers running, every group goes to them up front, two per worker in small
+    groups first; the scores are the ones tokenizing here gives, long and non-ASCII documents included."""
+    reranker = embedctl.load(str(cross_encoder), device="cpu")
+    firsts = ["a question"] * 13
+    seconds = [f"document {i} " + ("about tables and columns, " * 60 if i % 3 == 0 else "Ünïcödé 漢字") for i in range(13)]
+    here = pair_scores(reranker.engine, reranker.tokenizer, firsts, seconds)
+    with TokenizerPool(reranker.tokenizer, processes=2) as pool:
+        pool.wait_for_workers()
+        submitted: list[int] = []
+        submit_pairs = pool.submit_pairs
+        monkeypatch.setattr(pool, "submit_pairs", lambda a, b: submitted.append(len(a)) or submit_pairs(a, b))
+        scored: list[int] = []
+
+        in_workers = pair_scores(reranker.engine, reranker.tokenizer, firsts, seconds, scored.append, pool)
+
+    assert submitted == [2, 2, 2, 2, 4, 1]
+    np.testing.assert_allclose(in_workers, here, atol=1e-6)
+    assert scored[-1] == 13 and scored == sorted(scored)
+
+
 def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_dir: Path) -> None:
     options = ScoreOptions(queries=str(QUERIES), index=str(sample_table))
     inputs = open_inputs(options)
@@ -626,6 +658,12 @@ def _rerank_depth_below_top_k(tmp: Path) -> tuple[list, list[str]]:
     return ["queries.jsonl", "docs.jsonl", "--reranker", "x", "--rerank-depth", "5"], ["--rerank-depth 5 is below --top-k 10"]
 
 
+def _tokenizer_processes_negative(tmp: Path) -> tuple[list, list[str]]:
+    _good_queries(tmp)
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["queries.jsonl", "docs.jsonl", "--tokenizer-processes", "-1"], ["--tokenizer-processes -1", "give 0"]
+
+
 def _table_without_index(tmp: Path) -> tuple[list, list[str]]:
     _good_queries(tmp)
     return ["queries.jsonl", CORPUS, "--table", "vectors"], ["--table vectors", "there is no --index"]
@@ -677,7 +715,7 @@ def _qrels_relevance_infinite(tmp: Path) -> tuple[list, list[str]]:
 
 BAD_INPUTS = [_duplicate_query_ids, _duplicate_doc_ids, _no_queries, _no_documents, _top_k_zero, _existing_out,
               _whitespace_id_in_trec, _no_docs_and_no_index, _qrels_for_unknown_queries, _reranker_is_not_a_cross_encoder,
-              _rerank_depth_below_top_k, _qrels_relevance_a_fraction, _qrels_relevance_infinite, _table_without_index,
+              _rerank_depth_below_top_k, _tokenizer_processes_negative, _qrels_relevance_a_fraction, _qrels_relevance_infinite, _table_without_index,
               _table_without_index_or_docs, _table_of_a_parquet_index, _table_not_in_the_database, _table_of_a_missing_database,
               _database_without_table]
 
@@ -696,7 +734,8 @@ def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
     reranked = tmp_path_factory.mktemp("reranked")
     cross_encoder = save_random_model(reranked / "reranker", "BertForSequenceClassification", num_labels=1)
     jobs["reranked"] = (reranked, {}, [], [QUERIES, CORPUS, "--reranker", cross_encoder, "--rerank-depth", "20", "--top-k", "10",
-                                           "--qrels", SAMPLE / "qrels.txt", "--report", "report.json", "--out", "run.jsonl"])
+                                           "--qrels", SAMPLE / "qrels.txt", "--report", "report.json", "--out", "run.jsonl",
+                                           "--tokenizer-processes", "1"])
     with ThreadPoolExecutor(2) as pool:
         results = pool.map(lambda job: embedctl_score(*job[3], cwd=job[0]), jobs.values())
         return {name: (*job[:3], result) for (name, job), result in zip(jobs.items(), results)}

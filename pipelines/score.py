@@ -53,6 +53,11 @@ RERANK_QUERY_BLOCK = 256
 # EVEN_PAIR_GROUPS groups; each later group is twice the one before.
 PAIR_GROUP = 2
 EVEN_PAIR_GROUPS = 4
+# Fewer pairs than this are tokenized here even when the tokenizer pool has workers: on the H200 host
+# the first group came back from them 1-3 ms after it was handed over, against 0.3-0.5 ms to tokenize
+# it here, so 5 pairs reranked in 3.0-3.1 ms through them and in 2.4 here, while 25 took 7.8-8.1
+# against 8.1 and 50 took 12.5-14.1 against 14.4 (bench/results/gpu-2026-12-01-run82-rerank-pool).
+POOL_MIN_PAIRS = 16
 # The largest group of pairs a tokenizer worker process takes at once, about 6 ms of its time for pairs
 # of 512 tokens: large enough that handing it over costs little, small enough that the workers' last
 # groups end close together.
@@ -389,10 +394,11 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
     and the last group's pairs leave at once. On the CPU a step is done before step() returns, so
     each group is a step.
 
-    With a pool whose worker processes have started, every group is handed to them at once and
-    they tokenize side by side, each group as its worker gets to it; without one, the groups are
-    tokenized here, one after the other, between steps. On the H200 host one process tokenized
-    unseen pairs of 512 tokens about as fast as the device scored them, so the scores waited on it.
+    With a pool whose worker processes have started and at least POOL_MIN_PAIRS pairs, every group
+    is handed to the workers at once and they tokenize side by side, each group as its worker gets
+    to it; otherwise the groups are tokenized here, one after the other, between steps. On the H200
+    host one process tokenized unseen pairs of 512 tokens about as fast as the device scored them
+    (0.2 ms a pair), so the scores waited on it (bench/results/gpu-2026-12-01-run81-rerank-timeline).
 
     scored, when given, hears how many pairs (from the first) have their scores, each time that grows.
     For it, the results already ready are taken between steps, in order and without waiting on any, so
@@ -428,8 +434,9 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
 def _tokenized_groups(tokenizer: TextTokenizer, pool: TokenizerPool | None, firsts: list[str],
                       seconds: list[str]) -> Iterator[tuple[Encoded, bool | None]]:
     """Each group's pairs tokenized, in order, with whether the next group's are at hand already (None
-    after the last group): from the pool's workers when it has them running, else tokenized here."""
-    if pool is None or not pool.in_workers:
+    after the last group): from the pool's workers when it has them running and there are at least
+    POOL_MIN_PAIRS pairs, else tokenized here."""
+    if pool is None or not pool.in_workers or len(firsts) < POOL_MIN_PAIRS:
         groups = list(pair_groups(len(firsts)))
         for index, (start, end) in enumerate(groups):
             yield tokenizer.encode_pairs(firsts[start:end], seconds[start:end]), False if index + 1 < len(groups) else None

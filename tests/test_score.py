@@ -499,26 +499,29 @@ def test_pairs_gather_into_one_step_while_the_device_has_steps_queued(cross_enco
     assert cpu.step_pairs == [2, 2, 2, 2, 2]
 
 
-def test_pairs_tokenized_in_worker_processes_score_as_in_this_one(cross_encoder: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a pool's workers running, every group goes to them up front, two per worker in small
-    groups first; the scores are the ones tokenizing here gives, long and non-ASCII documents included."""
+@pytest.mark.parametrize(("pairs", "submitted"), [(20, [2, 2, 2, 2, 4, 8]), (15, [])])
+def test_pairs_tokenized_in_worker_processes_score_as_in_this_one(cross_encoder: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  pairs: int, submitted: list[int]) -> None:
+    """With a pool's workers running and at least POOL_MIN_PAIRS pairs, every group goes to them up
+    front, two per worker in small groups first (fewer pairs are tokenized here); the scores are the
+    ones tokenizing here gives, long and non-ASCII documents included."""
+    assert score.POOL_MIN_PAIRS == 16
     reranker = embedctl.load(str(cross_encoder), device="cpu")
-    firsts = ["a question"] * 13
-    seconds = [f"document {i} " + ("about tables and columns, " * 60 if i % 3 == 0 else "Ünïcödé 漢字") for i in range(13)]
+    firsts = ["a question"] * pairs
+    seconds = [f"document {i} " + ("about tables and columns, " * 60 if i % 3 == 0 else "Ünïcödé 漢字") for i in range(pairs)]
     here = pair_scores(reranker.engine, reranker.tokenizer, firsts, seconds)
     with TokenizerPool(reranker.tokenizer, processes=2) as pool:
         pool.wait_for_workers()
-        submitted: list[int] = []
+        sizes: list[int] = []
         submit_pairs = pool.submit_pairs
-        monkeypatch.setattr(pool, "submit_pairs", lambda a, b: submitted.append(len(a)) or submit_pairs(a, b))
+        monkeypatch.setattr(pool, "submit_pairs", lambda a, b: sizes.append(len(a)) or submit_pairs(a, b))
         scored: list[int] = []
 
         in_workers = pair_scores(reranker.engine, reranker.tokenizer, firsts, seconds, scored.append, pool)
 
-    assert submitted == [2, 2, 2, 2, 4, 1]
+    assert sizes == submitted
     np.testing.assert_allclose(in_workers, here, atol=1e-6)
-    assert scored[-1] == 13 and scored == sorted(scored)
+    assert scored[-1] == pairs and scored == sorted(scored)
 
 
 def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_dir: Path) -> None:

@@ -1,8 +1,8 @@
 """The low-latency ranking suite: a cross-encoder scoring 5, 25 and 50 (query, document) pairs of 512 tokens.
 
 Ours: pipelines.score.pair_scores, the path `embedctl score --reranker` runs (pairs tokenized in
-small groups by the tokenizer's worker processes, side by side, while the device runs the groups
-before; CUDA graphs, pinned readback), on documents its tokenizer has not seen (UnseenDocuments: the
+small groups, the first ones in this process and the rest by the tokenizer's worker processes side
+by side, while the device runs the groups before; CUDA graphs, pinned readback), on documents its tokenizer has not seen (UnseenDocuments: the
 tokenizer caches the ids of each stretch of text between spaces, so the same documents again would
 flatter it). Beside it: the same with the pairs tokenized in this process (ours_in_process; "ours"
 up to run80), and its two parts alone: that tokenizer in the same groups, and the model on the
@@ -30,9 +30,9 @@ import torch
 
 from bench.common import percentiles
 from engine import Engine, EngineConfig
-from pipelines.score import PAIR_GROUP, pair_groups, pair_scores
+from pipelines.score import PAIR_GROUP, default_pair_processes, pair_groups, pair_scores
 from pipelines.tokenize import TextTokenizer
-from pipelines.tokenize_pool import TokenizerPool, default_processes
+from pipelines.tokenize_pool import TokenizerPool
 from tests.models import BERT_BASE, SMALL_BERT, save_random_model
 
 PAIRS = (5, 25, 50)
@@ -57,7 +57,7 @@ def main() -> None:
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
     documents = long_documents(args.corpus, tokenizer)
     docs = documents[:max(PAIRS)]
-    processes = default_processes(engine.device.type == "cuda") if args.processes is None else args.processes
+    processes = default_pair_processes(engine.device.type == "cuda") if args.processes is None else args.processes
     new_tokenizer = partial(TextTokenizer, engine.files.tokenizer_file, engine.max_length)
     results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
                "attention": engine.attention, "dtype": str(engine.dtype), "pair_tokens": engine.max_length,

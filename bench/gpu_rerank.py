@@ -1,19 +1,19 @@
 """The low-latency ranking suite: a cross-encoder scoring 5, 25 and 50 (query, document) pairs of 512 tokens.
 
 Ours: pipelines.score.pair_scores, the path `embedctl score --reranker` runs (pairs tokenized in
-small groups, the first ones in this process and the rest by the tokenizer's worker processes side
-by side, while the device runs the groups before; CUDA graphs, pinned readback), on documents its tokenizer has not seen (UnseenDocuments: the
-tokenizer caches the ids of each stretch of text between spaces, so the same documents again would
-flatter it). Beside it: the same with the pairs tokenized in this process (ours_in_process; "ours"
-up to run80), and its two parts alone: that tokenizer in the same groups, and the model on the
-pairs tokenized beforehand. The graphs are
-captured at load (EngineConfig.warmup, as `embedctl serve` does): steps gather as many pairs as the
-device's pace lets through, so their sizes vary from call to call, and without it a call now and
-then would capture a new size's graph while timed. Peer: sentence-transformers' CrossEncoder.predict
-on the same checkpoint and GPU, in fp16 and fp32 (its default). Both include tokenization and the
-copy of the scores to the host. The model is BERT-base shaped with random weights (timings do not
-depend on the weights; no cross-encoder weights ship offline). Writes results.json and report.md
-under --out. `--smoke` runs tiny sizes on any device to check the script.
+small groups while the device runs the groups before, from 16 pairs on by the tokenizer's worker
+processes side by side; CUDA graphs, pinned readback), on documents its tokenizer has not seen
+(UnseenDocuments: the tokenizer caches the ids of each stretch of text between spaces, so the same
+documents again would flatter it). Beside it: the same with every pair tokenized in this process
+(ours_in_process; "ours" up to run80), and its two parts alone: that tokenizer in the same groups,
+and the model on the pairs tokenized beforehand. The graphs are captured at load
+(EngineConfig.warmup, as `embedctl serve` does): steps gather as many pairs as the device's pace
+lets through, so their sizes vary from call to call, and without it a call now and then would
+capture a new size's graph while timed. Peer: sentence-transformers' CrossEncoder.predict on the
+same checkpoint and GPU, in fp16 and fp32 (its default). Both include tokenization and the copy of
+the scores to the host. The model is BERT-base shaped with random weights (timings do not depend on
+the weights; no cross-encoder weights ship offline). Writes results.json and report.md under --out.
+`--smoke` runs tiny sizes on any device to check the script.
 """
 
 from __future__ import annotations

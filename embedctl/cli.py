@@ -213,7 +213,7 @@ def score(
     max_batch_tokens: BatchTokensOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
-    tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize the reranker's pairs in N worker processes beside this one, 0 in this one alone (default: one per 2 cores when the reranker runs on a GPU and there are at least 8 cores, else 0).")] = None,
+    tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize the reranker's pairs in N worker processes when there are 16 or more, 0 in this one (default: one per 2 cores when the reranker runs on a GPU and there are at least 8 cores, else 0).")] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the summary and metrics as JSON to this file.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
 ) -> None:

@@ -53,9 +53,15 @@ RERANK_QUERY_BLOCK = 256
 # EVEN_PAIR_GROUPS groups; each later group is twice the one before.
 PAIR_GROUP = 2
 EVEN_PAIR_GROUPS = 4
-# Cores per tokenizer worker process for a reranker's pairs (default_processes): the words are split in
-# Python, one core per process, and on the H200 host 8 workers beat 4 at 25 and 50 pairs (7.8-8.1 ms
-# against 8.1-9.2, 12.5-13.2 against 13.7-14.1; bench/results/gpu-2026-12-01-run82-rerank-pool, run83).
+# Fewer pairs than this are tokenized here even when the tokenizer pool has workers: on the H200 host
+# the first group came back from them 1-3 ms after it was handed over, against 0.3-0.5 ms to tokenize
+# it here, so 5 pairs reranked in 3.0-3.1 ms through them and in 2.4 here, while 25 took 7.8-8.1
+# against 8.1 and 50 took 12.5-14.1 against 14.4 (bench/results/gpu-2026-12-01-run82-rerank-pool).
+POOL_MIN_PAIRS = 16
+# Cores per tokenizer worker process for a reranker's pairs (default_pair_processes): the words are
+# split in Python, one core per process, and on the H200 host 8 workers beat 4 at 25 and 50 pairs
+# (7.8-8.1 ms against 8.1-9.2, 12.5-13.2 against 13.7-14.1; bench/results/gpu-2026-12-01-run82-rerank-pool,
+# run83).
 PAIR_CORES_PER_PROCESS = 2
 # The largest group of pairs a tokenizer worker process takes at once, about 6 ms of its time for pairs
 # of 512 tokens: large enough that handing it over costs little, small enough that the workers' last
@@ -89,7 +95,7 @@ class ScoreOptions:
     query_prompt_name: str | None = None  # a prompt of the model's sentence-transformers config
     doc_prompt_name: str | None = None
     chunk_rows: int = 1024
-    tokenizer_processes: int | None = None  # worker processes that tokenize the reranker's pairs; None: default_processes
+    tokenizer_processes: int | None = None  # worker processes that tokenize the reranker's pairs; None: default_pair_processes
 
     def __post_init__(self) -> None:
         check_processes(self.tokenizer_processes)
@@ -393,12 +399,11 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
     and the last group's pairs leave at once. On the CPU a step is done before step() returns, so
     each group is a step.
 
-    The groups are tokenized here, one after the other, between steps. On the H200 host one process
-    tokenized unseen pairs of 512 tokens about as fast as the device scored them (0.2 ms a pair), so
-    the scores waited on it (bench/results/gpu-2026-12-01-run81-rerank-timeline). So with a pool whose
-    worker processes have started, the groups after the first few are handed to the workers at once
-    and tokenized side by side while the first ones are tokenized here: the workers' first group came
-    back 1-3 ms after it was handed over, while the first here takes 0.3-0.5 ms (run82).
+    With a pool whose worker processes have started and at least POOL_MIN_PAIRS pairs, every group
+    is handed to the workers at once and they tokenize side by side, each group as its worker gets
+    to it; otherwise the groups are tokenized here, one after the other, between steps. On the H200
+    host one process tokenized unseen pairs of 512 tokens about as fast as the device scored them
+    (0.2 ms a pair), so the scores waited on it (bench/results/gpu-2026-12-01-run81-rerank-timeline).
 
     scored, when given, hears how many pairs (from the first) have their scores, each time that grows.
     For it, the results already ready are taken between steps, in order and without waiting on any, so
@@ -434,19 +439,15 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
 def _tokenized_groups(tokenizer: TextTokenizer, pool: TokenizerPool | None, firsts: list[str],
                       seconds: list[str]) -> Iterator[tuple[Encoded, bool | None]]:
     """Each group's pairs tokenized, in order, with whether the next group's are at hand already (None
-    after the last group). With the pool's workers running, the first EVEN_PAIR_GROUPS groups are
-    tokenized here while the workers take the rest, all handed to them at once."""
-    if pool is None or not pool.in_workers:
+    after the last group): from the pool's workers when it has them running and there are at least
+    POOL_MIN_PAIRS pairs, else tokenized here."""
+    if pool is None or not pool.in_workers or len(firsts) < POOL_MIN_PAIRS:
         groups = list(pair_groups(len(firsts)))
-        here, futures = groups, []
-    else:
-        groups = list(pair_groups(len(firsts), even_groups=EVEN_PAIR_GROUPS + 2 * pool.processes,
-                                  largest=POOL_LARGEST_GROUP))
-        here = groups[:EVEN_PAIR_GROUPS]
-        futures = [pool.submit_pairs(firsts[start:end], seconds[start:end]) for start, end in groups[EVEN_PAIR_GROUPS:]]
-    for index, (start, end) in enumerate(here):
-        encoded = tokenizer.encode_pairs(firsts[start:end], seconds[start:end])
-        yield encoded, False if index + 1 < len(here) else futures[0].done() if futures else None
+        for index, (start, end) in enumerate(groups):
+            yield tokenizer.encode_pairs(firsts[start:end], seconds[start:end]), False if index + 1 < len(groups) else None
+        return
+    futures = [pool.submit_pairs(firsts[start:end], seconds[start:end])
+               for start, end in pair_groups(len(firsts), even_groups=2 * pool.processes, largest=POOL_LARGEST_GROUP)]
     for index, future in enumerate(futures):
         yield future.result(), futures[index + 1].done() if index + 1 < len(futures) else None
 
@@ -536,15 +537,15 @@ def run_score(engine: Engine, tokenizer: TextTokenizer, inputs: Inputs, options:
 
 
 def _pair_pool(reranker: tuple[Engine, TextTokenizer], processes: int | None) -> TokenizerPool:
-    """The pool that tokenizes the reranker's pairs: `processes` workers, by default one per
-    PAIR_CORES_PER_PROCESS cores beside a GPU, whatever the number of pairs (they start while the
-    first stage ranks)."""
+    """The pool that tokenizes the reranker's pairs: `processes` workers, by default
+    default_pair_processes, whatever the number of pairs (they start while the first stage ranks)."""
     engine, tokenizer = reranker
     return TokenizerPool(tokenizer, default_pair_processes(engine.device.type == "cuda") if processes is None else processes)
 
 
 def default_pair_processes(on_gpu: bool) -> int:
-    """Tokenizer worker processes for a reranker's pairs when the user does not say."""
+    """Tokenizer worker processes for a reranker's pairs when the user does not say: one per
+    PAIR_CORES_PER_PROCESS cores beside a GPU, as default_processes decides otherwise."""
     return default_processes(on_gpu, cores_per_process=PAIR_CORES_PER_PROCESS)
 
 

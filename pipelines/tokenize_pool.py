@@ -53,9 +53,6 @@ MIN_CORES = 8
 # (bench/results/gpu-2026-11-30-run37-index-loop).
 MIN_ROWS = 20_000
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the folder holding pipelines/ and engine/
-# A chunk pickled to at most this many bytes may be written by the thread that submits it (_Worker):
-# half of a Linux pipe's buffer, which an empty pipe takes without waiting for the worker to read.
-INLINE_BYTES = 32 << 10
 # What goes down to a worker: texts, or the first texts of pairs with their second texts.
 Chunk = tuple[list[str], list[str] | None]
 # What comes back: ids back to back, each text's length, whether each was truncated, and token types
@@ -153,16 +150,8 @@ class TokenizerPool:
 
 
 class _Worker:
-    """One worker process: its chunks go down its stdin, and a thread reads its answers from a pipe of
-    their own (so nothing the worker prints can garble them) and resolves the futures in order.
-
-    A small chunk for an idle worker (none pending: its pipe is empty, so the write cannot block) is
-    written by the thread that submits it; the others are written by a thread of their own, in order,
-    so that no submitter waits for a busy worker to read. Handing a reranker's small groups of pairs
-    to that thread delayed them behind the GIL, which the thread must win back after each wake.
-    `_writing` is held by a write under way (a chunk is answered only once written, so with none
-    pending it is free, or freed at once).
-    """
+    """One worker process: a thread writes its chunks to its stdin, another reads its answers from a pipe
+    of their own (so nothing the worker prints can garble them) and resolves the futures in order."""
 
     def __init__(self, tokenizer: TextTokenizer, threads: int) -> None:
         answers, answers_for_worker = os.pipe()
@@ -183,9 +172,8 @@ class _Worker:
         self.failure: UserError | None = None
         self.pending: deque[Future[Encoded]] = deque()  # submitted, not answered, in order
         self._lock = threading.Lock()
-        self._writing = threading.Lock()
         self._closing = False
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # pickled chunks for the writer thread
+        self._outbox: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
         self._io = [threading.Thread(target=target, name=f"embedctl-tokenize-{name}", daemon=True)
                     for target, name in ((self._write, "in"), (self._read, "out"))]
         for thread in self._io:
@@ -197,18 +185,11 @@ class _Worker:
 
     def submit(self, chunk: Chunk) -> Future[Encoded]:
         result: Future[Encoded] = Future()
-        payload = pickle.dumps(chunk, pickle.HIGHEST_PROTOCOL)
-        with self._lock:  # pending and the writes in the same order, whichever thread submits
+        with self._lock:  # the queue and the outbox in the same order, whichever thread submits
             if self.failure is not None:
                 raise self.failure
-            here = len(payload) <= INLINE_BYTES and not self.pending
             self.pending.append(result)
-            if here:
-                self._writing.acquire()
-            else:
-                self._outbox.put(payload)
-        if here:
-            self._send(payload)
+            self._outbox.put(chunk)
         return result
 
     def close(self) -> None:
@@ -223,19 +204,12 @@ class _Worker:
         self.answers.close()
 
     def _write(self) -> None:
-        while (payload := self._outbox.get()) is not None:
-            self._writing.acquire()
-            self._send(payload)
-
-    def _send(self, payload: bytes) -> None:
-        """Write a chunk to the worker, then release `_writing` (held by the caller)."""
         try:
-            self.process.stdin.write(payload)
-            self.process.stdin.flush()
-        except (OSError, ValueError):  # the worker is gone (or closed): _read tells the callers
+            while (chunk := self._outbox.get()) is not None:
+                pickle.dump(chunk, self.process.stdin, pickle.HIGHEST_PROTOCOL)
+                self.process.stdin.flush()
+        except OSError:  # the worker is gone; _read tells the callers
             pass
-        finally:
-            self._writing.release()
 
     def _read(self) -> None:
         try:

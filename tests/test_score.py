@@ -499,12 +499,13 @@ def test_pairs_gather_into_one_step_while_the_device_has_steps_queued(cross_enco
     assert cpu.step_pairs == [2, 2, 2, 2, 2]
 
 
-@pytest.mark.parametrize(("pairs", "submitted"), [(20, [2, 2, 2, 2, 4]), (9, [1]), (5, [])])
+@pytest.mark.parametrize(("pairs", "submitted"), [(20, [2, 2, 2, 2, 4, 8]), (15, [])])
 def test_pairs_tokenized_in_worker_processes_score_as_in_this_one(cross_encoder: Path, monkeypatch: pytest.MonkeyPatch,
                                                                   pairs: int, submitted: list[int]) -> None:
-    """With a pool's workers running, the first four groups of two are tokenized here and the rest go
-    to the workers up front, two groups of two per worker before they grow; the scores are the ones
-    tokenizing here gives, long and non-ASCII documents included."""
+    """With a pool's workers running and at least POOL_MIN_PAIRS pairs, every group goes to them up
+    front, two per worker in small groups first (fewer pairs are tokenized here); the scores are the
+    ones tokenizing here gives, long and non-ASCII documents included."""
+    assert score.POOL_MIN_PAIRS == 16
     reranker = embedctl.load(str(cross_encoder), device="cpu")
     firsts = ["a question"] * pairs
     seconds = [f"document {i} " + ("about tables and columns, " * 60 if i % 3 == 0 else "Ünïcödé 漢字") for i in range(pairs)]

@@ -59,9 +59,9 @@ EVEN_PAIR_GROUPS = 4
 # against 8.1 and 50 took 12.5-14.1 against 14.4 (bench/results/gpu-2026-12-01-run82-rerank-pool).
 POOL_MIN_PAIRS = 16
 # Cores per tokenizer worker process for a reranker's pairs (default_pair_processes): the words are
-# split in Python, one core per process, and on the H200 host 8 workers beat 4 at 25 and 50 pairs
-# (7.8-8.1 ms against 8.1-9.2, 12.5-13.2 against 13.7-14.1; bench/results/gpu-2026-12-01-run82-rerank-pool,
-# run83).
+# split in Python, one core per process. On the 16-core H200 host 8 workers reranked 50 pairs in
+# 12.5-13.2 ms against 13.7-14.1 for 4, and 25 pairs in 7.8-8.1 against 7.8-9.2
+# (bench/results/gpu-2026-12-01-run82-rerank-pool, run83).
 PAIR_CORES_PER_PROCESS = 2
 # The largest group of pairs a tokenizer worker process takes at once, about 6 ms of its time for pairs
 # of 512 tokens: large enough that handing it over costs little, small enough that the workers' last

@@ -9,12 +9,12 @@ tokens/s and left the main process 0.05 CPU-seconds (bench/results/gpu-2026-11-3
 A worker is `python -m pipelines.tokenize_pool`, started with subprocess in a session of its own:
 multiprocessing's spawn would import the parent's main module first (torch, for a benchmark), and
 its executor waits at shutdown for workers still starting; a fork could inherit locks held by the
-parent's other threads. Chunks go down a worker's stdin and come back, pickled and in order,
-through a pipe of their own: ids (and pairs' token types) as flat int32 arrays with the lengths,
-a few buffers rather than a thousand objects. A worker loads its own tokenizer, which takes a few tenths of a second;
-until every worker has, chunks go to two threads of this process, so a short run does not wait for
-them. Ctrl-C reaches the parent only; closing the pool kills the workers, which hold nothing worth
-waiting for.
+parent's other threads. Chunks go down a worker's stdin and come back, pickled and in order, through
+a pipe of their own: ids (and pairs' token types) as flat int32 arrays with the lengths, a few
+buffers rather than a thousand objects. A worker loads its own tokenizer, which takes a few tenths
+of a second; until every worker has, chunks go to two threads of this process, so a short run does
+not wait for them. Ctrl-C reaches the parent only; closing the pool kills the workers, which hold
+nothing worth waiting for.
 
 Not here: the tokenization rules (pipelines.tokenize).
 """
@@ -255,10 +255,11 @@ def _death(code: int) -> str:
 
 
 def _unpack(flat: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, flat_types: np.ndarray | None) -> Encoded:
+    if not len(lengths):  # np.split would give one empty array
+        return Encoded(ids=[], truncated=[], type_ids=None if flat_types is None else [])
     cuts = np.cumsum(lengths)[:-1]
-    ids = np.split(flat, cuts) if len(lengths) else []
-    type_ids = None if flat_types is None else np.split(flat_types, cuts) if len(lengths) else []
-    return Encoded(ids=ids, truncated=truncated.tolist(), type_ids=type_ids)
+    return Encoded(ids=np.split(flat, cuts), truncated=truncated.tolist(),
+                   type_ids=None if flat_types is None else np.split(flat_types, cuts))
 
 
 def _encode(tokenizer: TextTokenizer, chunk: Chunk) -> Packed:

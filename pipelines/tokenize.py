@@ -58,12 +58,13 @@ _ASCII_SPACES = bytes.maketrans(b"\t\n\r", b"   ")
 _ASCII_CONTROLS = bytes(code for code in (*range(0x20), 0x7F) if code not in b"\t\n\r")
 # Normal forms change no ASCII character.
 _ASCII_UNCHANGED = ("NFC", "NFD", "NFKC", "NFKD")
-# Split patterns that end a piece at a single space between two visible characters and start the
-# next with it (no alternative spans a visible character and the space after it): GPT-2's, and the
-# one of Qwen2 and Qwen3.
 # BertNormalizer's Chinese characters: with handle_chinese_chars it puts a space on each side of one.
 _IDEOGRAPHS = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ceaf"
                          "\U0002f800-\U0002fa1f]")
+_IDEOGRAPH_PAIRS = re.compile(_IDEOGRAPHS.pattern * 2)
+# Split patterns that end a piece at a single space between two visible characters and start the
+# next with it (no alternative spans a visible character and the space after it): GPT-2's, and the
+# one of Qwen2 and Qwen3.
 _SPACE_SPLITTING_PATTERNS = (
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
@@ -532,13 +533,13 @@ def _cut(text: str, limit: int, ideographs: bool = False) -> str:
 
 
 def _ideograph_point(text: str, limit: int) -> int:
-    """The last point at or before `limit` (below the text's length) between two Chinese characters; 0 if none."""
-    if not _IDEOGRAPHS.search(text, 0, limit + 1):
-        return 0
-    for point in range(limit, 0, -1):
-        if _IDEOGRAPHS.match(text, point - 1, point) and _IDEOGRAPHS.match(text, point, point + 1):
-            return point
-    return 0
+    """The last point at or before `limit` (below the text's length) between two Chinese characters; 0 if none.
+
+    Found as the first pair of them in the reversed head of the text: one search in C, where a text
+    with a Chinese word early and none later would otherwise be walked back character by character."""
+    head = text[:limit + 1]
+    pair = _IDEOGRAPH_PAIRS.search(head[::-1])
+    return len(head) - 1 - pair.start() if pair else 0
 
 
 def resolve_prompt(files: ModelFiles, role: str, text: str | None, name: str | None) -> str:

@@ -90,11 +90,11 @@ def texts_rate(tokenizer: TextTokenizer, corpus: Path, docs: int) -> dict:
 def pairs_latency(tokenizer: TextTokenizer, corpus: Path) -> dict:
     from bench.gpu_rerank import QUERY, UnseenDocuments, long_documents
 
-    pool = long_documents(corpus, tokenizer)
+    documents = long_documents(corpus, tokenizer)
     result = {}
     for pairs in PAIRS:
-        queries, texts = [QUERY] * pairs, pool[:pairs]
-        unseen = UnseenDocuments(pool, pairs, lambda: TextTokenizer(tokenizer.file, tokenizer.max_length))
+        queries, texts = [QUERY] * pairs, documents[:pairs]
+        unseen = UnseenDocuments(documents, pairs, lambda: TextTokenizer(tokenizer.file, tokenizer.max_length))
         result[pairs] = {"ours": p50(lambda: tokenizer.encode_pairs(queries, texts)),
                          "ours_unseen": p50(lambda: unseen.tokenizer.encode_pairs(queries, unseen.texts),
                                             before=unseen.advance),

@@ -22,7 +22,7 @@ Errors come in the shape of the API a route belongs to, which is what that API's
 TEI's {"error", "error_type"} on TEI's routes (TEI_PATHS), OpenAI's {"error": {"message", "type",
 "param", "code"}} everywhere else (_error_reply).
 
-A request is tokenized on the event loop when it is short and the engine idle, in the worker
+A request is tokenized on the event loop when it is short and the engine idle, spread over the worker
 processes of a TokenizerPool when it holds many texts (beside a GPU, where the pool has workers:
 their GIL is not the loop's), else in a thread pool (the tokenizer releases the GIL for its own
 work, so requests tokenize in parallel), its sequences join the
@@ -80,7 +80,7 @@ from engine.batch import PackedBatch
 from engine.errors import short_reason
 from engine.scheduler import QueueFull, Scheduler, SchedulerClosed
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
-from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
+from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes, joined
 
 log = logging.getLogger("embedctl.serve")
 
@@ -101,7 +101,8 @@ INLINE_CHARS = 512
 WARMUP_RUNS = 3  # a CUDA graph bucket runs eagerly on its first hit, is captured on the second, replays after
 TOKENIZER_THREADS = min(8, os.cpu_count() or 1)
 # Requests with at least this many texts are tokenized in the worker processes, when there are any: a
-# few texts cost less than the trip through the pipe.
+# few texts cost less than the trip through the pipe. Such a request is split into a chunk per worker,
+# none under half this many texts, so that its texts are tokenized side by side.
 WORKER_TEXTS = 16
 HEALTH_PATHS = ("/health", "/ping")  # /ping: SageMaker's health check, which TEI answers too
 OPEN_PATHS = HEALTH_PATHS  # health checks (load balancers, SageMaker) send no key
@@ -690,10 +691,11 @@ class _Service:
         return encoded
 
     async def encode(self, texts: Sequence[str]) -> Encoded:
-        """The texts' ids: in the worker processes for a request of many texts when there are workers,
-        else as tokenize() decides."""
+        """The texts' ids: spread over the worker processes for a request of many texts when there are
+        workers, else as tokenize() decides."""
         if len(texts) >= WORKER_TEXTS and self.workers.in_workers:
-            return await asyncio.wrap_future(self.workers.submit(texts))
+            parts = self.workers.submit_spread(texts, smallest=WORKER_TEXTS // 2)
+            return joined(await asyncio.gather(*map(asyncio.wrap_future, parts)))
         return await self.tokenize(self.tokenizer.encode, texts)
 
     async def tokenize(self, work: Callable[..., T], *inputs: Sequence[Sized]) -> T:

@@ -124,6 +124,14 @@ class TokenizerPool:
     def submit_pairs(self, firsts: Sequence[str], seconds: Sequence[str]) -> Future[Encoded]:
         return self._submit(firsts, seconds)
 
+    def submit_spread(self, texts: Sequence[str], smallest: int) -> list[Future[Encoded]]:
+        """The texts in consecutive chunks, one per worker but none under `smallest` texts (at least one
+        chunk), so that one large request is tokenized on every worker side by side; their futures in
+        order, whose answers joined() puts back together."""
+        chunks = max(1, min(len(self._workers) or THREADS, len(texts) // smallest))
+        bounds = [len(texts) * chunk // chunks for chunk in range(chunks + 1)]
+        return [self.submit(texts[start:end]) for start, end in zip(bounds[:-1], bounds[1:])]
+
     def _submit(self, texts: Sequence[str], seconds: Sequence[str] | None) -> Future[Encoded]:
         """A chunk of texts, or of pairs (texts[i], seconds[i]), to the least busy worker, or to a thread."""
         if self._closed:
@@ -252,6 +260,13 @@ def _death(code: int) -> str:
     hint = " (out of memory?)" if code == -signal.SIGKILL else ""
     return (f"a tokenizer process {how}{hint}; run again, or pass --tokenizer-processes 0 to tokenize "
             "in the main process")
+
+
+def joined(parts: Sequence[Encoded]) -> Encoded:
+    """Encoded answers of consecutive chunks as one."""
+    return Encoded(ids=[ids for part in parts for ids in part.ids],
+                   truncated=[truncated for part in parts for truncated in part.truncated],
+                   type_ids=None if parts[0].type_ids is None else [types for part in parts for types in part.type_ids])
 
 
 def _unpack(flat: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, flat_types: np.ndarray | None) -> Encoded:

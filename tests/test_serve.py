@@ -128,9 +128,10 @@ def stop(server: Server) -> None:
 @pytest.fixture(scope="module")
 def server(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     limits = [f"--{name.replace('_', '-')}={value}" for name, value in LIMITS.items()]
-    # One tokenizer process, which the CPU would not start by default: requests of many texts go to it.
+    # Two tokenizer processes, which the CPU would not start by default: requests of many texts are
+    # spread over them and put back together in order.
     server = start_server(minilm_dir, tmp_path_factory.mktemp("serve") / "server.log", "--api-key", KEY,
-                          "--tokenizer-processes", "1", *limits)
+                          "--tokenizer-processes", "2", *limits)
     yield server
     stop(server)
 
@@ -266,8 +267,8 @@ def test_info_describes_the_model_and_the_server_limits(client: httpx.Client, mi
         "max_concurrent_requests": LIMITS["max_queue"], "max_input_length": 256,
         "max_batch_tokens": LIMITS["max_batch_tokens"], "max_batch_requests": EngineConfig().max_seqs,
         "max_client_batch_size": LIMITS["max_client_batch"], "auto_truncate": True,
-        # the server's tokenizer threads, and the one worker process the fixture asks for
-        "tokenization_workers": min(8, os.cpu_count() or 1) + 1,
+        # the server's tokenizer threads, and the two worker processes the fixture asks for
+        "tokenization_workers": min(8, os.cpu_count() or 1) + 2,
         "version": importlib.metadata.version("embedctl")}
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from engine import UserError
 from pipelines.tokenize import TextTokenizer
-from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
+from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes, joined
 from tests.files import child_processes
 from tests.models import minilm_path
 
@@ -54,6 +54,17 @@ def test_workers_give_the_pairs_the_tokenizer_gives(tokenizer: TextTokenizer) ->
     assert futures[0].result().truncated[3] and futures[1].result().truncated == [True, True]
     with TokenizerPool(tokenizer, processes=0) as pool:  # on this process's threads
         assert_same(pool.submit_pairs(*chunks[0]).result(), tokenizer.encode_pairs(*chunks[0]))
+
+
+def test_a_request_spread_over_the_workers_joins_back_in_order(tokenizer: TextTokenizer) -> None:
+    texts = [f"{text} {i}" for i in range(7) for text in TEXTS]  # 42 texts, the long ones cut
+    with TokenizerPool(tokenizer, processes=2) as pool:
+        pool.wait_for_workers()
+        spread = pool.submit_spread(texts, smallest=8)
+        assert len(spread) == 2  # a chunk per worker
+        assert_same(joined([future.result(timeout=60) for future in spread]), tokenizer.encode(texts))
+        assert len(pool.submit_spread(texts[:15], smallest=8)) == 1  # no chunk under `smallest` texts
+        assert len(pool.submit_spread(texts[:3], smallest=8)) == 1
 
 
 def test_chunks_submitted_before_the_workers_start_run_on_threads(tokenizer: TextTokenizer) -> None:

@@ -9,9 +9,10 @@ tokens/s and left the main process 0.05 CPU-seconds (bench/results/gpu-2026-11-3
 A worker is `python -m pipelines.tokenize_pool`, started with subprocess in a session of its own:
 multiprocessing's spawn would import the parent's main module first (torch, for a benchmark), and
 its executor waits at shutdown for workers still starting; a fork could inherit locks held by the
-parent's other threads. Chunks go down a worker's stdin and come back, pickled and in order, through
-a pipe of their own: ids (and pairs' token types) as flat int32 arrays with the lengths, a few
-buffers rather than a thousand objects. A worker loads its own tokenizer, which takes a few tenths
+parent's other threads. Chunks go down a worker's stdin, each pickled behind its length, and come
+back, pickled and in order, through a pipe of their own: ids (and pairs' token types) as flat int32
+arrays with the lengths, a few buffers rather than a thousand objects. A worker that has answered
+polls for its next chunk a while (SPIN_SECONDS) before it blocks, so a burst of chunks finds it awake. A worker loads its own tokenizer, which takes a few tenths
 of a second; until every worker has, chunks go to two threads of this process, so a short run does
 not wait for them. Ctrl-C reaches the parent only; closing the pool kills the workers, which hold
 nothing worth waiting for.
@@ -24,10 +25,12 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import select
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +55,13 @@ MIN_CORES = 8
 # took 0.64 s on threads and 0.83 s with four workers; of 60,000, 3.20 s and 2.38 s
 # (bench/results/gpu-2026-11-30-run37-index-loop).
 MIN_ROWS = 20_000
+# How long a worker that has answered polls for its next chunk before it blocks on the pipe. On the
+# H200 host (a virtual machine) a worker woken from a blocking read took 1.2-1.4 ms to answer two pairs
+# of 512 tokens that it answered in 0.32 ms when they came while it was still awake (this process, after
+# 10 ms of sleep, took 0.66 against 0.34: bench/results/gpu-2026-12-01-run89-pool-idle). A rerank hands
+# its workers a burst of small chunks per call, with the device's share of the call between bursts.
+SPIN_SECONDS = 0.02
+_LENGTH_BYTES = 8  # the length in front of each chunk, little-endian
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the folder holding pipelines/ and engine/
 # What goes down to a worker: texts, or the first texts of pairs with their second texts.
 Chunk = tuple[list[str], list[str] | None]
@@ -214,7 +224,9 @@ class _Worker:
     def _write(self) -> None:
         try:
             while (chunk := self._outbox.get()) is not None:
-                pickle.dump(chunk, self.process.stdin, pickle.HIGHEST_PROTOCOL)
+                payload = pickle.dumps(chunk, pickle.HIGHEST_PROTOCOL)
+                self.process.stdin.write(len(payload).to_bytes(_LENGTH_BYTES, "little"))
+                self.process.stdin.write(payload)
                 self.process.stdin.flush()
         except OSError:  # the worker is gone; _read tells the callers
             pass
@@ -296,20 +308,38 @@ def _serve(tokenizer_file: str, max_length: str, answers_fd: str) -> None:
     A chunk the tokenizer fails on is answered with the exception, which the caller's future raises
     as it would have in the caller's own process."""
     answers = os.fdopen(int(answers_fd), "wb")
-    requests = sys.stdin.buffer
+    requests = sys.stdin.fileno()
     tokenizer = TextTokenizer(Path(tokenizer_file), int(max_length))
     pickle.dump(None, answers)
     answers.flush()
-    while True:
-        try:
-            chunk = pickle.load(requests)
-        except EOFError:
-            return
+    while (chunk := _receive(requests)) is not None:
         try:
             pickle.dump(_encode(tokenizer, chunk), answers, pickle.HIGHEST_PROTOCOL)
         except Exception as error:  # noqa: BLE001 - handed to the caller
             answers.write(_pickled_error(error))
         answers.flush()
+
+
+def _receive(requests: int) -> Chunk | None:
+    """The next chunk from the pipe, after polling for it up to SPIN_SECONDS; None once the parent has closed it."""
+    awake_until = time.monotonic() + SPIN_SECONDS
+    while not select.select([requests], [], [], 0)[0] and time.monotonic() < awake_until:
+        pass
+    length = _read(requests, _LENGTH_BYTES)
+    payload = None if length is None else _read(requests, int.from_bytes(length, "little"))
+    return None if payload is None else pickle.loads(payload)
+
+
+def _read(requests: int, size: int) -> bytes | None:
+    """Exactly `size` bytes from the pipe (a pipe hands over what it has); None at its end."""
+    parts = []
+    while size:
+        part = os.read(requests, size)
+        if not part:
+            return None
+        parts.append(part)
+        size -= len(part)
+    return b"".join(parts)
 
 
 def _pickled_error(error: Exception) -> bytes:

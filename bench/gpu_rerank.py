@@ -143,7 +143,7 @@ class UnseenDocuments:
         if not self.processes:
             self.tokenizer.encode_pairs([QUERY] * len(self.seen), self.seen)
             return
-        self.workers = TokenizerPool(self.tokenizer, self.processes)
+        self.workers = TokenizerPool(self.tokenizer, self.processes, pulled=True)  # as embedctl score makes it
         self.workers.wait_for_workers()
         groups = [self.workers.submit_pairs([QUERY] * PAIR_GROUP, self.seen[start:start + PAIR_GROUP])
                   for start in range(0, len(self.seen) - PAIR_GROUP + 1, PAIR_GROUP)]

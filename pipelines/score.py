@@ -538,9 +538,11 @@ def run_score(engine: Engine, tokenizer: TextTokenizer, inputs: Inputs, options:
 
 def _pair_pool(reranker: tuple[Engine, TextTokenizer], processes: int | None) -> TokenizerPool:
     """The pool that tokenizes the reranker's pairs: `processes` workers, by default
-    default_pair_processes, whatever the number of pairs (they start while the first stage ranks)."""
+    default_pair_processes, whatever the number of pairs (they start while the first stage ranks);
+    pulled, so that pair_scores reads each answer when it wants it (see TokenizerPool)."""
     engine, tokenizer = reranker
-    return TokenizerPool(tokenizer, default_pair_processes(engine.device.type == "cuda") if processes is None else processes)
+    processes = default_pair_processes(engine.device.type == "cuda") if processes is None else processes
+    return TokenizerPool(tokenizer, processes, pulled=True)
 
 
 def default_pair_processes(on_gpu: bool) -> int:

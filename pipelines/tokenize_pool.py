@@ -9,10 +9,11 @@ tokens/s and left the main process 0.05 CPU-seconds (bench/results/gpu-2026-11-3
 A worker is `python -m pipelines.tokenize_pool`, started with subprocess in a session of its own:
 multiprocessing's spawn would import the parent's main module first (torch, for a benchmark), and
 its executor waits at shutdown for workers still starting; a fork could inherit locks held by the
-parent's other threads. Chunks go down a worker's stdin, each pickled behind its length, and come
-back, pickled and in order, through a pipe of their own: ids (and pairs' token types) as flat int32
-arrays with the lengths, a few buffers rather than a thousand objects. A worker that has answered
-polls for its next chunk a while (SPIN_SECONDS) before it blocks, so a burst of chunks finds it awake. A worker loads its own tokenizer, which takes a few tenths
+parent's other threads. Chunks go down a worker's stdin and come back in order through a pipe of
+their own, each pickled behind its length: ids (and pairs' token types) as flat int32 arrays with the
+lengths, a few buffers rather than a thousand objects. A worker that has answered polls for its next
+chunk a while (SPIN_SECONDS) before it blocks, so a burst of chunks finds it awake. Answers are read
+by a thread per worker, or, in a pool made with pulled=True, by the thread that waits for them. A worker loads its own tokenizer, which takes a few tenths
 of a second; until every worker has, chunks go to two threads of this process, so a short run does
 not wait for them. Ctrl-C reaches the parent only; closing the pool kills the workers, which hold
 nothing worth waiting for.
@@ -36,6 +37,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, suppress
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -94,9 +96,15 @@ class TokenizerPool:
     With processes=0 every chunk runs on this process's threads; so does every chunk after a worker
     has died (a server keeps serving; the chunks that worker held fail with a UserError). Use it as
     a context manager, or call close(), which cancels the chunks not yet answered and stops the workers.
+
+    pulled=True is for one thread that feeds a device between its waits (pair_scores): a worker's
+    answers are then read by whichever thread calls result() or done() on its futures, not by a thread
+    of their own, which would take the GIL from the feeding thread for each answer as it came (0.15 ms
+    of that thread's time an answer on the H200 host: bench/results/gpu-2026-12-01-run88-rerank-pool-timeline).
+    A pulled worker's futures call no done-callbacks until they are waited on.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, processes: int, cores: int = CORES) -> None:
+    def __init__(self, tokenizer: TextTokenizer, processes: int, cores: int = CORES, pulled: bool = False) -> None:
         if processes < 0:
             raise ValueError(f"processes must be 0 or more, not {processes}")
         self.tokenizer = tokenizer
@@ -106,7 +114,7 @@ class TokenizerPool:
         self._workers: list[_Worker] = []
         try:
             for _ in range(processes):
-                self._workers.append(_Worker(tokenizer, max(1, cores // processes)))
+                self._workers.append(_Worker(tokenizer, max(1, cores // processes), pulled))
         except BaseException:
             self.close()
             raise
@@ -119,7 +127,7 @@ class TokenizerPool:
     def wait_for_workers(self) -> None:
         """Block until every worker has started (at once without any); UserError if one died instead."""
         for worker in self._workers:
-            worker.settled.wait()
+            worker.wait_settled()
             if worker.failure is not None:
                 raise worker.failure
 
@@ -168,10 +176,11 @@ class TokenizerPool:
 
 
 class _Worker:
-    """One worker process: a thread writes its chunks to its stdin, another reads its answers from a pipe
-    of their own (so nothing the worker prints can garble them) and resolves the futures in order."""
+    """One worker process: a thread writes its chunks to its stdin; its answers come through a pipe of
+    their own (so nothing the worker prints can garble them) and settle the futures in order, read by
+    a thread of their own, or when pulled by the threads that wait on the futures (pull())."""
 
-    def __init__(self, tokenizer: TextTokenizer, threads: int) -> None:
+    def __init__(self, tokenizer: TextTokenizer, threads: int, pulled: bool = False) -> None:
         answers, answers_for_worker = os.pipe()
         try:
             # Started in the package's own folder, so a folder named like ours where the user stands is not imported.
@@ -185,24 +194,45 @@ class _Worker:
             raise
         finally:
             os.close(answers_for_worker)
-        self.answers = os.fdopen(answers, "rb")
+        self.answers = answers
+        self.pulled = pulled
         self.settled = threading.Event()  # set once the worker has its tokenizer, or has died
         self.failure: UserError | None = None
         self.pending: deque[Future[Encoded]] = deque()  # submitted, not answered, in order
         self._lock = threading.Lock()
+        self._pull_lock = threading.Lock()  # one thread at a time reads a pulled worker's answers
         self._closing = False
+        self._ended = False
         self._outbox: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
-        self._io = [threading.Thread(target=target, name=f"embedctl-tokenize-{name}", daemon=True)
-                    for target, name in ((self._write, "in"), (self._read, "out"))]
+        roles = ((self._write, "in"),) if pulled else ((self._write, "in"), (self._read, "out"))
+        self._io = [threading.Thread(target=target, name=f"embedctl-tokenize-{name}", daemon=True) for target, name in roles]
         for thread in self._io:
             thread.start()
 
     @property
     def ready(self) -> bool:
+        if self.pulled and not self.settled.is_set():
+            self.pull(block=False)
         return self.settled.is_set() and self.failure is None
 
+    def wait_settled(self) -> None:
+        """Block until the worker has its tokenizer, or has died."""
+        if self.pulled:
+            self.pull()
+        self.settled.wait()
+
+    def pull(self, until: Future[Encoded] | None = None, block: bool = True) -> None:
+        """Read a pulled worker's answers in this thread until `until` is settled (None: until the
+        worker has started); with block=False, only those already there to read."""
+        with self._pull_lock:
+            while not self._ended and not (self.settled.is_set() if until is None else Future.done(until)):
+                if not block and not select.select([self.answers], [], [], 0)[0]:
+                    return
+                if not self._take():
+                    self._end()
+
     def submit(self, chunk: Chunk) -> Future[Encoded]:
-        result: Future[Encoded] = Future()
+        result: Future[Encoded] = _Pulled(self) if self.pulled else Future()
         with self._lock:  # the queue and the outbox in the same order, whichever thread submits
             if self.failure is not None:
                 raise self.failure
@@ -216,42 +246,55 @@ class _Worker:
         self._outbox.put(None)
         for thread in self._io:
             thread.join()
+        if self.pulled:
+            with self._pull_lock:  # a thread still pulling gets the end of the pipe and stops
+                if not self._ended:
+                    self._end()
         self.process.wait()
         with suppress(OSError):  # a chunk half written when the worker was killed
             self.process.stdin.close()
-        self.answers.close()
+        os.close(self.answers)
 
     def _write(self) -> None:
         try:
             while (chunk := self._outbox.get()) is not None:
-                payload = pickle.dumps(chunk, pickle.HIGHEST_PROTOCOL)
-                self.process.stdin.write(len(payload).to_bytes(_LENGTH_BYTES, "little"))
-                self.process.stdin.write(payload)
-                self.process.stdin.flush()
-        except OSError:  # the worker is gone; _read tells the callers
+                _write_frame(self.process.stdin, pickle.dumps(chunk, pickle.HIGHEST_PROTOCOL))
+        except OSError:  # the worker is gone; reading its answers tells the callers
             pass
 
     def _read(self) -> None:
         try:
-            pickle.load(self.answers)  # the worker's hello: its tokenizer is loaded
-            self.settled.set()
-            while True:
-                answer = pickle.load(self.answers)
-                with self._lock:
-                    result = self.pending.popleft()
-                if not result.set_running_or_notify_cancel():  # its caller gave up on it
-                    continue
-                if isinstance(answer, BaseException):
-                    result.set_exception(answer)
-                else:
-                    result.set_result(_unpack(*answer))
-        except Exception:  # noqa: BLE001 - the pipe ended or garbled: the worker is of no more use
-            pass
+            while self._take():
+                pass
         finally:
             self._end()
 
+    def _take(self) -> bool:
+        """Read the worker's next answer and settle what it answers: its hello (the tokenizer is
+        loaded), or the oldest chunk pending. False once the pipe has ended or garbled: the worker is
+        of no more use."""
+        try:
+            frame = _read_frame(self.answers)
+            answer = None if frame is None else pickle.loads(frame)
+        except Exception:  # noqa: BLE001 - garbled
+            return False
+        if frame is None:
+            return False
+        if not self.settled.is_set():
+            self.settled.set()
+            return True
+        with self._lock:
+            result = self.pending.popleft()
+        if result.set_running_or_notify_cancel():  # else its caller gave up on it
+            if isinstance(answer, BaseException):
+                result.set_exception(answer)
+            else:
+                result.set_result(_unpack(*answer))
+        return True
+
     def _end(self) -> None:
         """Fail (or, closing, cancel) what the worker still held; after a death, say why from now on."""
+        self._ended = True
         failure = None
         if not self._closing:
             self.process.kill()  # a worker whose answers cannot be read may still be alive
@@ -265,6 +308,23 @@ class _Worker:
                 result.cancel()
             elif result.set_running_or_notify_cancel():
                 result.set_exception(failure)
+
+
+class _Pulled(Future):
+    """A pulled worker's future: waiting on it, or asking whether it is done, reads the worker's answers."""
+
+    def __init__(self, worker: _Worker) -> None:
+        super().__init__()
+        self._worker = worker
+
+    def done(self) -> bool:
+        self._worker.pull(self, block=False)
+        return super().done()
+
+    def result(self, timeout: float | None = None) -> Encoded:
+        self._worker.pull(self)  # waits for the answer whatever the timeout
+
+        return super().result(timeout)
 
 
 def _death(code: int) -> str:
@@ -310,14 +370,13 @@ def _serve(tokenizer_file: str, max_length: str, answers_fd: str) -> None:
     answers = os.fdopen(int(answers_fd), "wb")
     requests = sys.stdin.fileno()
     tokenizer = TextTokenizer(Path(tokenizer_file), int(max_length))
-    pickle.dump(None, answers)
-    answers.flush()
+    _write_frame(answers, pickle.dumps(None))
     while (chunk := _receive(requests)) is not None:
         try:
-            pickle.dump(_encode(tokenizer, chunk), answers, pickle.HIGHEST_PROTOCOL)
+            answer = pickle.dumps(_encode(tokenizer, chunk), pickle.HIGHEST_PROTOCOL)
         except Exception as error:  # noqa: BLE001 - handed to the caller
-            answers.write(_pickled_error(error))
-        answers.flush()
+            answer = _pickled_error(error)
+        _write_frame(answers, answer)
 
 
 def _receive(requests: int) -> Chunk | None:
@@ -325,21 +384,32 @@ def _receive(requests: int) -> Chunk | None:
     awake_until = time.monotonic() + SPIN_SECONDS
     while not select.select([requests], [], [], 0)[0] and time.monotonic() < awake_until:
         pass
-    length = _read(requests, _LENGTH_BYTES)
-    payload = None if length is None else _read(requests, int.from_bytes(length, "little"))
-    return None if payload is None else pickle.loads(payload)
+    frame = _read_frame(requests)
+    return None if frame is None else pickle.loads(frame)
 
 
-def _read(requests: int, size: int) -> bytes | None:
-    """Exactly `size` bytes from the pipe (a pipe hands over what it has); None at its end."""
-    parts = []
-    while size:
-        part = os.read(requests, size)
-        if not part:
+def _write_frame(pipe: BinaryIO, payload: bytes) -> None:
+    pipe.write(len(payload).to_bytes(_LENGTH_BYTES, "little"))
+    pipe.write(payload)
+    pipe.flush()
+
+
+def _read_frame(pipe: int) -> bytearray | None:
+    """The next payload _write_frame wrote to the pipe; None at the pipe's end."""
+    length = _read(pipe, _LENGTH_BYTES)
+    return None if length is None else _read(pipe, int.from_bytes(length, "little"))
+
+
+def _read(pipe: int, size: int) -> bytearray | None:
+    """Exactly `size` bytes from the pipe (a read hands over what is there so far); None at its end."""
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        read = os.readv(pipe, [view[got:]])
+        if not read:
             return None
-        parts.append(part)
-        size -= len(part)
-    return b"".join(parts)
+        got += read
+    return data
 
 
 def _pickled_error(error: Exception) -> bytes:

@@ -510,7 +510,7 @@ def test_pairs_tokenized_in_worker_processes_score_as_in_this_one(cross_encoder:
     firsts = ["a question"] * pairs
     seconds = [f"document {i} " + ("about tables and columns, " * 60 if i % 3 == 0 else "Ünïcödé 漢字") for i in range(pairs)]
     here = pair_scores(reranker.engine, reranker.tokenizer, firsts, seconds)
-    with TokenizerPool(reranker.tokenizer, processes=2) as pool:
+    with TokenizerPool(reranker.tokenizer, processes=2, pulled=True) as pool:  # as run_score makes it
         pool.wait_for_workers()
         sizes: list[int] = []
         submit_pairs = pool.submit_pairs

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -15,6 +18,10 @@ from tests.models import minilm_path
 
 TEXTS = ["Short text.", "  padded text  ", "Ünïcödé and 漢字 text.", "A long sentence that goes on. " * 200,
          "[SEP] holds a special token", "tabs\tand\nnewlines"]
+
+
+# Answers read by a thread per worker, or by the threads that wait for them.
+PULLED = pytest.mark.parametrize("pulled", [False, True], ids=["reader-threads", "pulled"])
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +37,11 @@ def assert_same(got: object, want: object) -> None:
         assert [types.tolist() for types in got.type_ids] == [types.tolist() for types in want.type_ids]
 
 
-def test_workers_give_what_the_tokenizer_gives(tokenizer: TextTokenizer) -> None:
+@PULLED
+def test_workers_give_what_the_tokenizer_gives(tokenizer: TextTokenizer, pulled: bool) -> None:
     chunks = [TEXTS, TEXTS[::-1], TEXTS[2:3], [f"document {i} about tables" for i in range(300)]]
     before = child_processes()
-    with TokenizerPool(tokenizer, processes=2) as pool:
+    with TokenizerPool(tokenizer, processes=2, pulled=pulled) as pool:
         pool.wait_for_workers()
         assert pool.in_workers and pool.depth == 4
         futures = [pool.submit(chunk) for chunk in chunks]
@@ -43,10 +51,11 @@ def test_workers_give_what_the_tokenizer_gives(tokenizer: TextTokenizer) -> None
     assert child_processes() == before
 
 
-def test_workers_give_the_pairs_the_tokenizer_gives(tokenizer: TextTokenizer) -> None:
+@PULLED
+def test_workers_give_the_pairs_the_tokenizer_gives(tokenizer: TextTokenizer, pulled: bool) -> None:
     """Pairs (a query with each text, a long query with a long text) come back with their token types."""
     chunks = [(["a question"] * len(TEXTS), TEXTS), ([TEXTS[3]] * 2, [TEXTS[3], "short"]), ([], [])]
-    with TokenizerPool(tokenizer, processes=2) as pool:
+    with TokenizerPool(tokenizer, processes=2, pulled=pulled) as pool:
         pool.wait_for_workers()
         futures = [pool.submit_pairs(firsts, seconds) for firsts, seconds in chunks]
         for (firsts, seconds), future in zip(chunks, futures):
@@ -67,6 +76,21 @@ def test_a_request_spread_over_the_workers_joins_back_in_order(tokenizer: TextTo
         assert len(pool.submit_spread(texts[:3], smallest=8)) == 1
 
 
+def test_a_pulled_pool_reads_answers_only_in_the_threads_that_wait_for_them(tokenizer: TextTokenizer) -> None:
+    with TokenizerPool(tokenizer, processes=2, pulled=True) as pool:
+        pool.wait_for_workers()
+        assert not [thread for thread in threading.enumerate() if thread.name == "embedctl-tokenize-out"]
+        futures = [pool.submit_pairs(["a question"] * 2, TEXTS[i:i + 2]) for i in range(0, 6, 2)]
+        time.sleep(1)  # long enough for the workers to answer all three
+        assert not any(Future.done(future) for future in futures)  # nobody has read the answers yet
+        # Chunks 0 and 2 went to the first worker, chunk 1 to the second. Asking reads what its own worker answered:
+        assert futures[1].done() and not Future.done(futures[0])
+        assert_same(futures[2].result(), tokenizer.encode_pairs(["a question"] * 2, TEXTS[4:6]))
+        assert Future.done(futures[0])  # read on the way, in order
+        for i, future in zip(range(0, 6, 2), futures):
+            assert_same(future.result(), tokenizer.encode_pairs(["a question"] * 2, TEXTS[i:i + 2]))
+
+
 def test_chunks_submitted_before_the_workers_start_run_on_threads(tokenizer: TextTokenizer) -> None:
     with TokenizerPool(tokenizer, processes=1) as pool:
         assert not pool.in_workers and pool.depth == 2  # a spawned worker takes a few tenths of a second to start
@@ -76,9 +100,10 @@ def test_chunks_submitted_before_the_workers_start_run_on_threads(tokenizer: Tex
         assert_same(pool.submit(TEXTS).result(), tokenizer.encode(TEXTS))
 
 
-def test_a_worker_that_dies_fails_what_it_held_and_threads_take_over(tokenizer: TextTokenizer) -> None:
+@PULLED
+def test_a_worker_that_dies_fails_what_it_held_and_threads_take_over(tokenizer: TextTokenizer, pulled: bool) -> None:
     before = child_processes()
-    with TokenizerPool(tokenizer, processes=1) as pool:
+    with TokenizerPool(tokenizer, processes=1, pulled=pulled) as pool:
         pool.wait_for_workers()
         assert_same(pool.submit(TEXTS).result(timeout=60), tokenizer.encode(TEXTS))
         held = pool.submit(TEXTS * 500)
@@ -92,11 +117,12 @@ def test_a_worker_that_dies_fails_what_it_held_and_threads_take_over(tokenizer: 
     assert child_processes() == before
 
 
-def test_an_error_in_a_worker_is_the_error_this_process_would_raise(tokenizer: TextTokenizer) -> None:
+@PULLED
+def test_an_error_in_a_worker_is_the_error_this_process_would_raise(tokenizer: TextTokenizer, pulled: bool) -> None:
     bad = ["fine", "a lone surrogate \ud800 here"]
     with pytest.raises(TypeError) as in_process:
         tokenizer.encode(bad)
-    with TokenizerPool(tokenizer, processes=1) as pool:
+    with TokenizerPool(tokenizer, processes=1, pulled=pulled) as pool:
         pool.wait_for_workers()
         with pytest.raises(TypeError) as in_worker:
             pool.submit(bad).result(timeout=60)
@@ -105,10 +131,11 @@ def test_an_error_in_a_worker_is_the_error_this_process_would_raise(tokenizer: T
         assert_same(pool.submit(TEXTS).result(timeout=60), tokenizer.encode(TEXTS))
 
 
-def test_a_cancelled_chunk_leaves_the_worker_serving(tokenizer: TextTokenizer) -> None:
+@PULLED
+def test_a_cancelled_chunk_leaves_the_worker_serving(tokenizer: TextTokenizer, pulled: bool) -> None:
     """asyncio.wrap_future cancels the pool's future when a request is cancelled; the answer that
     comes later must not stop the worker's reader."""
-    with TokenizerPool(tokenizer, processes=1) as pool:
+    with TokenizerPool(tokenizer, processes=1, pulled=pulled) as pool:
         pool.wait_for_workers()
         given_up = pool.submit(TEXTS * 50)
         assert given_up.cancel()
@@ -116,13 +143,14 @@ def test_a_cancelled_chunk_leaves_the_worker_serving(tokenizer: TextTokenizer) -
         assert given_up.cancelled() and pool.in_workers
 
 
-def test_close_stops_workers_still_starting_and_cancels_what_they_hold(tokenizer: TextTokenizer) -> None:
+@PULLED
+def test_close_stops_workers_still_starting_and_cancels_what_they_hold(tokenizer: TextTokenizer, pulled: bool) -> None:
     before = child_processes()
-    pool = TokenizerPool(tokenizer, processes=2)
+    pool = TokenizerPool(tokenizer, processes=2, pulled=pulled)
     assert len(child_processes() - before) == 2
     pool.close()
     assert child_processes() == before
-    with TokenizerPool(tokenizer, processes=1) as pool:
+    with TokenizerPool(tokenizer, processes=1, pulled=pulled) as pool:
         pool.wait_for_workers()
         held = [pool.submit(TEXTS * 200) for _ in range(3)]
     assert child_processes() == before

@@ -57,6 +57,8 @@ EVEN_PAIR_GROUPS = 4
 # the first group came back from them 1-3 ms after it was handed over, against 0.3-0.5 ms to tokenize
 # it here, so 5 pairs reranked in 3.0-3.1 ms through them and in 2.4 here, while 25 took 7.8-8.1
 # against 8.1 and 50 took 12.5-14.1 against 14.4 (bench/results/gpu-2026-12-01-run82-rerank-pool).
+# With the workers awake and their answers pulled, 5 pairs still took 2.86 ms through them against
+# 2.23 here, and 25 / 50 pairs 7.46 / 12.45 (run91).
 POOL_MIN_PAIRS = 16
 # Cores per tokenizer worker process for a reranker's pairs (default_pair_processes): the words are
 # split in Python, one core per process. On the 16-core H200 host 8 workers reranked 50 pairs in

@@ -13,10 +13,10 @@ parent's other threads. Chunks go down a worker's stdin and come back in order t
 their own, each pickled behind its length: ids (and pairs' token types) as flat int32 arrays with the
 lengths, a few buffers rather than a thousand objects. A worker that has answered polls for its next
 chunk a while (SPIN_SECONDS) before it blocks, so a burst of chunks finds it awake. Answers are read
-by a thread per worker, or, in a pool made with pulled=True, by the thread that waits for them. A worker loads its own tokenizer, which takes a few tenths
-of a second; until every worker has, chunks go to two threads of this process, so a short run does
-not wait for them. Ctrl-C reaches the parent only; closing the pool kills the workers, which hold
-nothing worth waiting for.
+by a thread per worker, or, in a pool made with pulled=True, by the thread that waits for them. A
+worker loads its own tokenizer, which takes a few tenths of a second; until every worker has, chunks
+go to two threads of this process, so a short run does not wait for them. Ctrl-C reaches the parent
+only; closing the pool kills the workers, which hold nothing worth waiting for.
 
 Not here: the tokenization rules (pipelines.tokenize).
 """
@@ -205,7 +205,8 @@ class _Worker:
         self._ended = False
         self._outbox: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
         roles = ((self._write, "in"),) if pulled else ((self._write, "in"), (self._read, "out"))
-        self._io = [threading.Thread(target=target, name=f"embedctl-tokenize-{name}", daemon=True) for target, name in roles]
+        self._io = [threading.Thread(target=target, name=f"embedctl-tokenize-{name}", daemon=True)
+                    for target, name in roles]
         for thread in self._io:
             thread.start()
 
@@ -323,7 +324,6 @@ class _Pulled(Future):
 
     def result(self, timeout: float | None = None) -> Encoded:
         self._worker.pull(self)  # waits for the answer whatever the timeout
-
         return super().result(timeout)
 
 

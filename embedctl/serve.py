@@ -690,13 +690,15 @@ class _Service:
         self.check_truncation(encoded, field, truncate)
         return encoded
 
-    async def encode(self, texts: Sequence[str]) -> Encoded:
-        """The texts' ids: spread over the worker processes for a request of many texts when there are
-        workers, else as tokenize() decides."""
+    async def encode(self, texts: Sequence[str], seconds: Sequence[str] | None = None) -> Encoded:
+        """The texts' ids, or the pairs' (texts[i], seconds[i]): spread over the worker processes for a
+        request of many texts when there are workers, else as tokenize() decides."""
         if len(texts) >= WORKER_TEXTS and self.workers.in_workers:
-            parts = self.workers.submit_spread(texts, smallest=WORKER_TEXTS // 2)
+            parts = self.workers.submit_spread(texts, WORKER_TEXTS // 2, seconds)
             return joined(await asyncio.gather(*map(asyncio.wrap_future, parts)))
-        return await self.tokenize(self.tokenizer.encode, texts)
+        if seconds is None:
+            return await self.tokenize(self.tokenizer.encode, texts)
+        return await self.tokenize(self.tokenizer.encode_pairs, texts, seconds)
 
     async def tokenize(self, work: Callable[..., T], *inputs: Sequence[Sized]) -> T:
         """work(*inputs) on the loop when the inputs (texts, or token-id lists) are short and the engine
@@ -743,7 +745,7 @@ class _Service:
             raise _empty("query is blank; send text with at least one non-space character")
         self.check_texts(texts, field)
         if self.engine.num_labels:
-            encoded = await self.tokenize(self.tokenizer.encode_pairs, [query] * len(texts), texts)
+            encoded = await self.encode([query] * len(texts), texts)
             self.check_truncation(encoded, field, truncate)
             scores = (await self.run(encoded))[:, 0]
         else:

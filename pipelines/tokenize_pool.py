@@ -142,13 +142,15 @@ class TokenizerPool:
     def submit_pairs(self, firsts: Sequence[str], seconds: Sequence[str]) -> Future[Encoded]:
         return self._submit(firsts, seconds)
 
-    def submit_spread(self, texts: Sequence[str], smallest: int) -> list[Future[Encoded]]:
-        """The texts in consecutive chunks, one per worker but none under `smallest` texts (at least one
-        chunk), so that one large request is tokenized on every worker side by side; their futures in
-        order, whose answers joined() puts back together."""
+    def submit_spread(self, texts: Sequence[str], smallest: int,
+                      seconds: Sequence[str] | None = None) -> list[Future[Encoded]]:
+        """The texts (or the pairs (texts[i], seconds[i])) in consecutive chunks, one per worker but none
+        under `smallest` texts (at least one chunk), so that one large request is tokenized on every
+        worker side by side; their futures in order, whose answers joined() puts back together."""
         chunks = max(1, min(len(self._workers) or THREADS, len(texts) // smallest))
         bounds = [len(texts) * chunk // chunks for chunk in range(chunks + 1)]
-        return [self.submit(texts[start:end]) for start, end in zip(bounds[:-1], bounds[1:])]
+        return [self._submit(texts[start:end], None if seconds is None else seconds[start:end])
+                for start, end in zip(bounds[:-1], bounds[1:])]
 
     def _submit(self, texts: Sequence[str], seconds: Sequence[str] | None) -> Future[Encoded]:
         """A chunk of texts, or of pairs (texts[i], seconds[i]), to the least busy worker, or to a thread."""

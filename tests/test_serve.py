@@ -659,12 +659,14 @@ def test_health_and_ping_after_a_failed_warm_up_are_503_unhealthy_with_the_reaso
 
 
 def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path) -> None:
+    """Four texts, and the same 20 times over, which a server with tokenizer workers spreads over them."""
     import transformers
 
     path = save_random_model(tmp_path / "reranker", "BertForSequenceClassification", num_labels=1, type_vocab_size=2)
     engine = Engine.load(str(path), EngineConfig(device="cpu", normalize=False))
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
     query, docs = "how do I read a csv file", ["Use pyarrow.csv.read_csv.", "A store of embeddings. " * 40, "csv", "x"]
+    many = [f"{doc} {i}" for i in range(5) for doc in docs]
     pairs = tokenizer.encode_pairs([query] * len(docs), docs)
     reference = transformers.BertForSequenceClassification.from_pretrained(path).eval()
     with torch.no_grad():
@@ -691,6 +693,16 @@ def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path)
     assert vectors.status_code == 422 and "cross-encoder" in refusal(vectors)[0]
     assert openai_vectors.status_code == 400 and "cross-encoder" in refusal(openai_vectors)[0]
     assert info["model_type"] == {"reranker": {"id2label": config["id2label"], "label2id": config["label2id"]}}
+    with serving(create_app(engine, tokenizer, tokenizer_processes=2)) as url:
+        spread = httpx.post(url + "/rerank", json={"query": query, "texts": many, "return_text": True}).json()
+    many_pairs = tokenizer.encode_pairs([query] * len(many), many)
+    with torch.no_grad():
+        many_expected = [torch.sigmoid(reference(input_ids=torch.from_numpy(ids).long()[None],
+                                                 token_type_ids=torch.from_numpy(types).long()[None]).logits).item()
+                         for ids, types in zip(many_pairs.ids, many_pairs.type_ids)]
+    assert sorted(hit["index"] for hit in spread) == list(range(len(many)))
+    np.testing.assert_allclose([hit["score"] for hit in spread], [many_expected[hit["index"]] for hit in spread], atol=1e-5)
+    assert all(hit["text"] == many[hit["index"]] for hit in spread)
 
 
 def test_prompts_and_tei_fields_give_the_vectors_index_and_score_would(random_bert: Path) -> None:

@@ -74,6 +74,10 @@ def test_a_request_spread_over_the_workers_joins_back_in_order(tokenizer: TextTo
         assert_same(joined([future.result(timeout=60) for future in spread]), tokenizer.encode(texts))
         assert len(pool.submit_spread(texts[:15], smallest=8)) == 1  # no chunk under `smallest` texts
         assert len(pool.submit_spread(texts[:3], smallest=8)) == 1
+        queries = [f"question {i}" for i in range(len(texts))]
+        pairs = pool.submit_spread(queries, 8, texts)
+        assert len(pairs) == 2
+        assert_same(joined([future.result(timeout=60) for future in pairs]), tokenizer.encode_pairs(queries, texts))
 
 
 def test_a_pulled_pool_reads_answers_only_in_the_threads_that_wait_for_them(tokenizer: TextTokenizer) -> None:

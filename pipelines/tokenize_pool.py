@@ -197,6 +197,7 @@ class _Worker:
         finally:
             os.close(answers_for_worker)
         self.answers = answers
+        self._answered = _poller(answers)  # polled by a pulled worker's done()
         self.pulled = pulled
         self.settled = threading.Event()  # set once the worker has its tokenizer, or has died
         self.failure: UserError | None = None
@@ -229,7 +230,7 @@ class _Worker:
         worker has started); with block=False, only those already there to read."""
         with self._pull_lock:
             while not self._ended and not (self.settled.is_set() if until is None else Future.done(until)):
-                if not block and not select.select([self.answers], [], [], 0)[0]:
+                if not block and not self._answered.poll(0):
                     return
                 if not self._take():
                     self._end()
@@ -372,8 +373,9 @@ def _serve(tokenizer_file: str, max_length: str, answers_fd: str) -> None:
     answers = os.fdopen(int(answers_fd), "wb")
     requests = sys.stdin.fileno()
     tokenizer = TextTokenizer(Path(tokenizer_file), int(max_length))
+    arrived = _poller(requests)
     _write_frame(answers, pickle.dumps(None))
-    while (chunk := _receive(requests)) is not None:
+    while (chunk := _receive(requests, arrived)) is not None:
         try:
             answer = pickle.dumps(_encode(tokenizer, chunk), pickle.HIGHEST_PROTOCOL)
         except Exception as error:  # noqa: BLE001 - handed to the caller
@@ -381,13 +383,21 @@ def _serve(tokenizer_file: str, max_length: str, answers_fd: str) -> None:
         _write_frame(answers, answer)
 
 
-def _receive(requests: int) -> Chunk | None:
+def _receive(requests: int, arrived: select.poll) -> Chunk | None:
     """The next chunk from the pipe, after polling for it up to SPIN_SECONDS; None once the parent has closed it."""
     awake_until = time.monotonic() + SPIN_SECONDS
-    while not select.select([requests], [], [], 0)[0] and time.monotonic() < awake_until:
+    while not arrived.poll(0) and time.monotonic() < awake_until:
         pass
     frame = _read_frame(requests)
     return None if frame is None else pickle.loads(frame)
+
+
+def _poller(pipe: int) -> select.poll:
+    """Whether the pipe has something to read, or has ended: poll(0) says at once (select's file
+    descriptor limit does not apply)."""
+    poller = select.poll()
+    poller.register(pipe, select.POLLIN)
+    return poller
 
 
 def _write_frame(pipe: BinaryIO, payload: bytes) -> None:

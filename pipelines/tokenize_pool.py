@@ -279,21 +279,22 @@ class _Worker:
         of no more use."""
         try:
             frame = _read_frame(self.answers)
-            answer = None if frame is None else pickle.loads(frame)
-        except Exception:  # noqa: BLE001 - garbled
+            if frame is None:
+                return False
+            answer = pickle.loads(frame)
+            if not self.settled.is_set():
+                self.settled.set()
+                return True
+            outcome = answer if isinstance(answer, BaseException) else _unpack(*answer)
+            with self._lock:
+                result = self.pending.popleft()
+        except Exception:  # noqa: BLE001 - garbled, or an answer to no chunk
             return False
-        if frame is None:
-            return False
-        if not self.settled.is_set():
-            self.settled.set()
-            return True
-        with self._lock:
-            result = self.pending.popleft()
         if result.set_running_or_notify_cancel():  # else its caller gave up on it
-            if isinstance(answer, BaseException):
-                result.set_exception(answer)
+            if isinstance(outcome, BaseException):
+                result.set_exception(outcome)
             else:
-                result.set_result(_unpack(*answer))
+                result.set_result(outcome)
         return True
 
     def _end(self) -> None:

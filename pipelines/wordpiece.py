@@ -38,7 +38,8 @@ from tokenizers import Tokenizer
 _WHITESPACE = r"\t\n\x0b\x0c\r "
 _PUNCTUATION = r"!-/:-@\[-`{-~"
 _WORDS = re.compile(f"[^{_WHITESPACE}{_PUNCTUATION}]+|[{_PUNCTUATION}]")
-_SPACE = re.compile(f"[{_WHITESPACE}]")
+# Where a slice of a text may end without splitting a word: after a space or a punctuation mark.
+_WORD_BOUNDARY = re.compile(f"[{_WHITESPACE}{_PUNCTUATION}]")
 # What str.split() splits at besides ASCII whitespace. The normalizer may remove such a character,
 # joining the text around it (BertNormalizer's clean_text removes \x85), or the pre-tokenizer keep it
 # inside a word (\x1c-\x1f), so a text holding one is split into words only.
@@ -151,9 +152,11 @@ class _LongPiece(Exception):
 
 
 def _word_end(text: str, end: int) -> int:
-    """`end`, moved on past the next ASCII whitespace so that no word is split; else the text's end."""
-    space = _SPACE.search(text, end)
-    return space.end() if space else len(text)
+    """`end`, moved on past the next ASCII whitespace or punctuation mark so that no word is split;
+    else the text's end. Not only whitespace: a text without any (base64, minified JSON) was split
+    whole, 2.6 s for a megabyte of base64 of which 256 tokens were kept."""
+    boundary = _WORD_BOUNDARY.search(text, end)
+    return boundary.end() if boundary else len(text)
 
 
 def spec_of(component: object | None) -> dict | None:

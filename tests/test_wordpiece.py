@@ -3,6 +3,8 @@ use it for such texts and pairs (the real all-MiniLM-L6-v2 tokenizer, and varian
 
 from __future__ import annotations
 
+import base64
+import json
 import random
 from pathlib import Path
 
@@ -152,6 +154,25 @@ def test_a_limit_stops_the_split_near_it_in_a_long_text(space: str) -> None:
 
     for limit in (1, 2, 509):
         assert limit <= len(words.ids(text, limit)) < limit + per_word
+
+
+@pytest.mark.parametrize("kind", ["base64", "minified JSON"])
+def test_a_text_without_whitespace_is_split_only_near_the_limit(kind: str) -> None:
+    """No whitespace to end a slice at: a slice ends after a punctuation mark instead, so the words of
+    a megabyte of base64 or JSON are looked up only as far as the limit."""
+    tokenizer = minilm()
+    words = WordPieceWords.of(tokenizer, ascii_normalizer(spec_of(tokenizer.normalizer)))
+    learned = []
+    model = words._model
+    words._model = type("Counting", (), {"tokenize": lambda _, word: learned.append(word) or model.tokenize(word)})()
+    rng = random.Random(0)
+    text = (base64.b64encode(rng.randbytes(750_000)).decode() if kind == "base64" else
+            json.dumps([{"id": i, "name": f"item{i}", "tags": ["a", "b"]} for i in range(20_000)], separators=(",", ":")))
+
+    ids = words.ids(text.lower(), 300)
+
+    assert ids == tokenizer.encode(text, add_special_tokens=False).ids[:len(ids)] and len(ids) >= 300
+    assert sum(map(len, learned)) < 300 * wordpiece.CHARS_PER_ID * 2  # of 1,000,000 characters
 
 
 def test_stretches_between_spaces_are_cached_and_long_pieces_are_not(monkeypatch: pytest.MonkeyPatch) -> None:

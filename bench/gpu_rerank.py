@@ -119,7 +119,8 @@ class UnseenDocuments:
     the rest in turn, `pairs` a call; when they run out, a new tokenizer is warmed the same way.
     With processes, the tokenizer has that many worker processes (`workers`, for pair_scores), and
     each worker's cache is warmed by its share of the documents, in the small groups pair_scores
-    hands out. advance() does this work before each call, untimed."""
+    hands out (and this process's by all of them, for the calls it tokenizes itself). advance() does
+    this work before each call, untimed."""
 
     def __init__(self, documents: list[str], pairs: int, new_tokenizer: Callable[[], TextTokenizer],
                  processes: int = 0) -> None:
@@ -140,8 +141,9 @@ class UnseenDocuments:
     def _renew(self) -> None:
         self.close()
         self.tokenizer = self.new_tokenizer()
+        # This process's cache too: calls of fewer than POOL_MIN_PAIRS pairs are tokenized here.
+        self.tokenizer.encode_pairs([QUERY] * len(self.seen), self.seen)
         if not self.processes:
-            self.tokenizer.encode_pairs([QUERY] * len(self.seen), self.seen)
             return
         self.workers = TokenizerPool(self.tokenizer, self.processes, pulled=True)  # as embedctl score makes it
         self.workers.wait_for_workers()

@@ -13,7 +13,7 @@ exactly the ids the library gives for the whole text (tests/test_tokenize.py, te
   times faster than the library on one core, though under the GIL;
 - long texts, and pairs' long documents, are tokenized only as far as the kept tokens need
   (encode_cut, TextTokenizer.encode_pairs), for pre-tokenizers that split at spaces (cuts_at_spaces),
-  and texts between Chinese characters for BERT's (cuts_between_ideographs);
+  and also before punctuation marks and, for BERT's, between Chinese characters (cut_points);
 - ASCII texts skip the library's normalizer, which keeps an alignment for every character and took
   38% of MiniLM's tokenizer time: on ASCII its effect is a bytes.translate and a str.lower
   (ascii_normalizer), which CPython runs at memory speed;
@@ -29,7 +29,7 @@ import functools
 import itertools
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +61,14 @@ _ASCII_UNCHANGED = ("NFC", "NFD", "NFKC", "NFKD")
 # BertNormalizer's Chinese characters: with handle_chinese_chars it puts a space on each side of one.
 _IDEOGRAPHS = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ceaf"
                          "\U0002f800-\U0002fa1f]")
-_IDEOGRAPH_PAIRS = re.compile(_IDEOGRAPHS.pattern * 2)
+# Punctuation marks a cut may end before (cut_points): ASCII's and the commonest Chinese and Japanese ones.
+_CUT_MARKS = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~，。、；：？！"
+# What a space-splitting pattern's piece may end with before a punctuation mark, for a cut there to give
+# the whole text's pieces (cut_points): ASCII letters and digits, kana and the two main blocks of Chinese
+# characters, all assigned and left letters by NFC. Not every letter: NFC splits some (U+0958, Devanagari's qa,
+# a composition exclusion) into a letter and a mark, which joins the punctuation mark after it in one piece;
+# and an unassigned code point is no letter to the pattern, so it joins the punctuation mark too.
+_PIECE_ENDS = "[A-Za-z0-9\u3041-\u3096\u30a1-\u30fa\u3400-\u4dbf\u4e00-\u9fff]"
 # Split patterns that end a piece at a single space between two visible characters and start the
 # next with it (no alternative spans a visible character and the space after it): GPT-2's, and the
 # one of Qwen2 and Qwen3.
@@ -157,7 +164,7 @@ class TextTokenizer:
         normalize = self.tokenizer.normalizer.normalize_str if self.tokenizer.normalizer else str
         self._added_raw = _any_of(contents)
         self._added_normalized = _any_of(contents + [normalize(content) for content in contents])
-        self._ideograph_cuts = self._cuts and cuts_between_ideographs(normalizer, pre_tokenizer, contents)
+        self._cut_points = cut_points(normalizer, pre_tokenizer, contents) if self._cuts else None
 
     @functools.cached_property
     def _bare_pieces(self) -> Tokenizer:
@@ -173,7 +180,7 @@ class TextTokenizer:
         rest = [row for row, result in enumerate(results) if result is None]
         for rows, tokenizer, inputs in self._routes([bare[row] for row in rest], [texts[row] for row in rest]):
             for row, encoding in zip(rows, encode_cut(tokenizer, inputs, self.max_length, self._cuts,
-                                                      self._ideograph_cuts)):
+                                                      self._cut_points)):
                 results[rest[row]] = np.asarray(encoding.ids, dtype=np.int32), bool(encoding.overflowing)
         return Encoded(ids=[ids for ids, _ in results], truncated=[truncated for _, truncated in results])
 
@@ -311,7 +318,7 @@ class TextTokenizer:
         than the room (and not whole) is left to the tokenizer. The pair is the template's special
         tokens around the query and the kept tokens.
         """
-        cuts = {i: _cut(bare[i][1], query.left * CUT_CHARS_PER_TOKEN) for i, query in short.items()}
+        cuts = {i: _cut(bare[i][1], query.left * CUT_CHARS_PER_TOKEN, self._cut_points) for i, query in short.items()}
         document_ids = self._in_pieces(list(dict.fromkeys(cuts.values())))
         results = {}
         for i, query in short.items():
@@ -334,7 +341,8 @@ class TextTokenizer:
         """
         rows = list(short)
         encodings = _encode_cuts(self._bare, [bare[i][1] for i in rows],
-                                 [short[i].left * CUT_CHARS_PER_TOKEN for i in rows], [bare[i][0] for i in rows])
+                                 [short[i].left * CUT_CHARS_PER_TOKEN for i in rows], [bare[i][0] for i in rows],
+                                 self._cut_points)
         return {i: _pair_result(encoding) for i, encoding in zip(rows, encodings)}
 
     def _in_pieces(self, texts: list[str]) -> dict[str, np.ndarray]:
@@ -362,10 +370,10 @@ class TextTokenizer:
 
 
 def encode_cut(tokenizer: Tokenizer, texts: list[str], max_length: int, cut: bool = True,
-               ideographs: bool = False) -> list[Encoding]:
+               points: re.Pattern | None = None) -> list[Encoding]:
     """Each text's encoding, truncated at max_length, tokenizing only as much of a long text as that
     needs (when `cut`: the tokenizer's pre-tokenizer splits at spaces, see cuts_at_spaces; with
-    `ideographs`, also between two Chinese characters, see cuts_between_ideographs).
+    `points`, also where they say, see cut_points).
 
     The tokenizer's work grows with the whole text while only the first max_length tokens are
     kept: in the docstrings corpus 55% of the tokens lie past 256. So a long text is first cut
@@ -377,17 +385,17 @@ def encode_cut(tokenizer: Tokenizer, texts: list[str], max_length: int, cut: boo
     """
     if not cut:
         return tokenizer.encode_batch_fast(texts)
-    return _encode_cuts(tokenizer, texts, [max_length * CUT_CHARS_PER_TOKEN] * len(texts), ideographs=ideographs)
+    return _encode_cuts(tokenizer, texts, [max_length * CUT_CHARS_PER_TOKEN] * len(texts), points=points)
 
 
 def _encode_cuts(tokenizer: Tokenizer, texts: list[str], limits: list[int],
-                 firsts: list[str] | None = None, ideographs: bool = False) -> list[Encoding]:
+                 firsts: list[str] | None = None, points: re.Pattern | None = None) -> list[Encoding]:
     """Each text's encoding, from its cut at its limit (see _cut), cut again at twice the limit until
     the encoding overflows or the cut is whole; as the second of a pair with firsts' text, when given."""
     encodings: list[Encoding | None] = [None] * len(texts)
     pending, scale = list(range(len(texts))), 1
     while pending:
-        cuts = [_cut(texts[i], limits[i] * scale, ideographs) for i in pending]
+        cuts = [_cut(texts[i], limits[i] * scale, points) for i in pending]
         inputs = cuts if firsts is None else [(firsts[i], cut) for i, cut in zip(pending, cuts)]
         retry = []
         for i, cut, encoding in zip(pending, cuts, tokenizer.encode_batch_fast(inputs)):
@@ -422,15 +430,51 @@ def cuts_at_spaces(spec: dict | None) -> bool:
     return False
 
 
-def cuts_between_ideographs(normalizer: dict | None, pre_tokenizer: dict | None, added_tokens: list[str]) -> bool:
-    """Whether text before a point between two Chinese characters tokenizes as in the whole: BERT's
-    normalizer with handle_chinese_chars makes each such character a word of its own, and BERT's
-    pre-tokenizer keeps it one, unless an added token's text holds one. Chinese text has no spaces
-    for cuts_at_spaces' cut, so without this a long document was tokenized whole (36,000 characters
-    in 95 ms where 512 tokens were kept)."""
-    return (normalizer is not None and normalizer["type"] == "BertNormalizer" and normalizer["handle_chinese_chars"]
-            and pre_tokenizer is not None and pre_tokenizer["type"] == "BertPreTokenizer"
-            and not any(_IDEOGRAPHS.search(content) for content in added_tokens))
+def cut_points(normalizer: dict | None, pre_tokenizer: dict | None, added_tokens: list[str]) -> re.Pattern | None:
+    """Where else than at a space (for a pre-tokenizer that cuts_at_spaces) text before a point
+    tokenizes as in the whole, as a pattern _cut finds in the text's reversed head; None: nowhere.
+
+    Chinese text has no spaces, nor have base64 and minified JSON, so without these a long document
+    was tokenized whole where 512 tokens were kept: 36,000 Chinese characters in 95 ms with MiniLM's
+    tokenizer, a megabyte of base64 in 1.8 s through it and 0.9 s with a Qwen-style one (10 and 1 ms cut):
+    - BERT's pre-tokenizer makes each punctuation mark a word of its own (its normalizer maps each
+      character on its own), so before any of _CUT_MARKS will do; and where its normalizer has
+      handle_chinese_chars each Chinese character is a word too, so between two of them;
+    - Whitespace's pattern, byte-level BPE's and Qwen's (cuts_at_spaces) end a piece of letters or
+      digits before a punctuation mark, so before one of _CUT_MARKS that follows one of _PIECE_ENDS,
+      unless a normalizer other than NFC could make it something else (NFD puts a mark after a letter
+      that joins the punctuation; '_' is a word character to Whitespace's \\w).
+    Not before a character of an added token's text: such a token is matched before the pre-tokenizer
+    splits, and a cut inside one would break it up.
+    """
+    if pre_tokenizer is None:
+        return None
+    taken = set("".join(added_tokens))
+    if pre_tokenizer["type"] == "BertPreTokenizer":
+        if normalizer is not None and normalizer["type"] not in ("BertNormalizer", "Lowercase"):
+            return None
+        points = [_character_class(mark for mark in _CUT_MARKS if mark not in taken)]
+        if (normalizer is not None and normalizer.get("handle_chinese_chars")
+                and not any(_IDEOGRAPHS.search(content) for content in added_tokens)):
+            points.append(_IDEOGRAPHS.pattern * 2)
+        return re.compile("|".join(points))
+    if (normalizer is None or normalizer["type"] == "NFC") and _pieces_end_before_punctuation(pre_tokenizer):
+        marks = _character_class(mark for mark in _CUT_MARKS if mark not in taken and mark != "_")
+        return re.compile(marks + _PIECE_ENDS)
+    return None
+
+
+def _pieces_end_before_punctuation(spec: dict) -> bool:
+    """Whether the pre-tokenizer ends a piece of letters or digits before a punctuation mark: those of
+    cuts_at_spaces but whitespace splitting and Metaspace, which split at spaces only."""
+    kind = spec["type"]
+    if kind == "Sequence":
+        return bool(spec["pretokenizers"]) and _pieces_end_before_punctuation(spec["pretokenizers"][0])
+    return kind in ("Whitespace", "ByteLevel", "Split") and cuts_at_spaces(spec)
+
+
+def _character_class(characters: Iterable[str]) -> str:
+    return "[" + "".join(re.escape(character) for character in characters) + "]"
 
 
 def ascii_normalizer(spec: dict | None) -> Callable[[str], str] | None:
@@ -515,9 +559,9 @@ def _pieces(text: str, chars: int) -> Iterator[str]:
         text = text[len(piece):]
 
 
-def _cut(text: str, limit: int, ideographs: bool = False) -> str:
-    """The text up to its last suitable space before `limit` characters (or, with `ideographs`, its
-    last point between two Chinese characters, if later); the whole text if there is none.
+def _cut(text: str, limit: int, points: re.Pattern | None = None) -> str:
+    """The text up to its last suitable space before `limit` characters (or its last of `points`, see
+    cut_points, if later); the whole text if there is none.
 
     Only a single space between two visible characters will do: the pre-tokenizers cuts_at_spaces
     accepts end a piece there and start the next with it. Not in or beside a run of whitespace:
@@ -528,18 +572,19 @@ def _cut(text: str, limit: int, ideographs: bool = False) -> str:
     space = text.rfind(" ", 0, limit)
     while space > 0 and (text[space - 1].isspace() or text[space + 1].isspace()):
         space = text.rfind(" ", 0, space)
-    end = max(space, _ideograph_point(text, limit) if ideographs else 0)
+    end = max(space, _last_point(text, limit, points) if points else 0)
     return text[:end] if end > 0 else text
 
 
-def _ideograph_point(text: str, limit: int) -> int:
-    """The last point at or before `limit` (below the text's length) between two Chinese characters; 0 if none.
+def _last_point(text: str, limit: int, points: re.Pattern) -> int:
+    """The last of cut_points' points at or before `limit` (below the text's length); 0 if none.
 
-    Found as the first pair of them in the reversed head of the text: one search in C, where a text
-    with a Chinese word early and none later would otherwise be walked back character by character."""
+    Found as the first match in the reversed head of the text (its first character is the one the
+    cut ends before): one search in C, where a text with a point early and none later would otherwise
+    be walked back character by character."""
     head = text[:limit + 1]
-    pair = _IDEOGRAPH_PAIRS.search(head[::-1])
-    return len(head) - 1 - pair.start() if pair else 0
+    point = points.search(head[::-1])
+    return len(head) - 1 - point.start() if point else 0
 
 
 def resolve_prompt(files: ModelFiles, role: str, text: str | None, name: str | None) -> str:

@@ -8,6 +8,7 @@ NFKC (XLM-R); the last two are trained here on the sample corpus, as no such tok
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import random
@@ -75,6 +76,23 @@ def cjk_texts(max_length: int) -> list[str]:
     return texts
 
 
+def punctuated_texts(max_length: int) -> list[str]:
+    """Texts without spaces, cut at punctuation marks (cut_points): beside letters, digits, kana and
+    Chinese characters that a space-splitting pattern ends a piece with, and beside those it does not
+    (an underscore, a combining mark, U+0958 क़ which NFC splits, an unassigned code point, symbols, other marks)."""
+    rng = random.Random(1)
+    pieces = ["abc", "x", "Q", "42", "东京", "は", "カナ", "\u00e9", "q\u0303", "\u0958", "_", "'s", "'S", ",", ".", "，", "。",
+              "、", "!?", "(", ")", "<", ">", "|", "+", "/", "=", "²", "Ⅻ", "ﬁ", "Σ", "\ufada", "\u0301", "—", "...",
+              "[SEP]", "[", "]"]
+    texts = []
+    for _ in range(24):
+        text = ""
+        while len(text) < max_length * CUT_CHARS_PER_TOKEN * 1.5:
+            text += rng.choice(pieces)
+        texts.append(text)
+    return texts
+
+
 @pytest.fixture(scope="module")
 def tokenizers_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tokenizers")
@@ -108,7 +126,7 @@ def trained(kind: str, directory: Path) -> Path:
         tokenizer.normalizer = normalizers.NFKC()
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
         trainer = trainers.UnigramTrainer(vocab_size=800, unk_token="<unk>", special_tokens=["<unk>"])
-    tokenizer.train_from_iterator(corpus_texts(), trainer)
+    tokenizer.train_from_iterator(corpus_texts() + punctuated_texts(128), trainer)  # merges across its marks too
     tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A:0 $B:1")  # as cross-encoders have
     tokenizer.save(str(path))
     return path
@@ -131,7 +149,7 @@ def test_cut_texts_give_the_whole_texts_tokens(tokenizers_dir: Path, monkeypatch
     right at the last kept token in many texts, where a wrong cut would change it."""
     monkeypatch.setattr(tokenize, "CUT_CHARS_PER_TOKEN", chars_per_token)
     path = tokenizer_path(kind, tokenizers_dir)
-    texts = corpus_texts() + awkward_texts(max_length) + cjk_texts(max_length)
+    texts = corpus_texts() + awkward_texts(max_length) + cjk_texts(max_length) + punctuated_texts(max_length)
     expected = whole_tokenizer(path, max_length).encode_batch_fast([text.strip() for text in texts])
 
     encoded = TextTokenizer(path, max_length, by_words=by_words(kind)).encode(texts)
@@ -153,7 +171,7 @@ def test_pairs_with_cut_documents_give_the_whole_pairs_tokens(tokenizers_dir: Pa
     monkeypatch.setattr(tokenize, "CORES", cores)
     path = tokenizer_path(kind, tokenizers_dir)
     max_length = 64
-    docs = corpus_texts()[:80] + awkward_texts(max_length)
+    docs = corpus_texts()[:80] + awkward_texts(max_length) + punctuated_texts(max_length)
     # Half the room is 30 tokens with WordPiece's three special tokens, 32 without any: queries just
     # under and over it, where cutting the document against a query that is too long changes the result.
     queries = ["how do I read a file", *(" ".join(["word"] * n) for n in (29, 30, 31, 32, 33, 36, 45)), docs[0][:2000]]
@@ -223,7 +241,7 @@ def test_long_chinese_texts_are_cut_between_chinese_characters(by_words: bool) -
 
 def test_chinese_characters_are_no_cut_point_where_they_need_not_be_words_of_their_own(tmp_path: Path) -> None:
     tokenizer = Tokenizer.from_file(str(resolve_model(None).tokenizer_file))
-    assert TextTokenizer(resolve_model(None).tokenizer_file, 64)._ideograph_cuts
+    assert TextTokenizer(resolve_model(None).tokenizer_file, 64)._cut_points.search("东京")
     tokenizer.normalizer = normalizers.BertNormalizer(handle_chinese_chars=False)
     tokenizer.save(str(tmp_path / "no-chinese.json"))
     tokenizer.normalizer = normalizers.BertNormalizer()
@@ -235,7 +253,54 @@ def test_chinese_characters_are_no_cut_point_where_they_need_not_be_words_of_the
 
         cut = TextTokenizer(tmp_path / name, 64)
 
-        assert not cut._ideograph_cuts and cut.encode([text]).ids[0].tolist() == expected
+        assert not cut._cut_points.search("东京") and cut.encode([text]).ids[0].tolist() == expected
+
+
+@pytest.mark.parametrize("kind", ["wordpiece-library", "bpe", "qwen", "unigram"])
+def test_every_cut_point_starts_a_piece_of_the_whole_text(tokenizers_dir: Path, kind: str) -> None:
+    """The text before each point cut_points finds is split into the whole text's first pieces (what
+    any vocabulary then merges within), and tokenizes as its first tokens, here and in texts whose
+    pieces the trained vocabularies merge across (')' ',' into '),')."""
+    path = tokenizer_path(kind, tokenizers_dir)
+    tokenizer = TextTokenizer(path, 64)
+    whole = whole_tokenizer(path, 64)
+    whole.no_truncation()
+
+    def pieces(text: str) -> list[str]:
+        normal = whole.normalizer.normalize_str(text) if whole.normalizer else text
+        return [piece for piece, _ in whole.pre_tokenizer.pre_tokenize_str(normal)]
+
+    points = 0
+    for text in punctuated_texts(32) + cjk_texts(16):
+        expected, expected_pieces = whole.encode(text, add_special_tokens=False).ids, pieces(text)
+        reversed_text = text[::-1]
+        for found in (tokenizer._cut_points.finditer(reversed_text) if tokenizer._cut_points else ()):
+            head = text[:len(text) - 1 - found.start()]
+            ids, head_pieces = whole.encode(head, add_special_tokens=False).ids, pieces(head)
+            context = (head[-10:], text[len(head):len(head) + 10])
+            assert head_pieces == expected_pieces[:len(head_pieces)] and ids == expected[:len(ids)], context
+            points += 1
+    assert points > 300 if kind != "unigram" else points == 0, points  # Metaspace splits at spaces only
+
+
+@pytest.mark.parametrize("kind", ["wordpiece-library", "bpe", "qwen"])
+def test_long_texts_without_spaces_are_cut_at_punctuation(tokenizers_dir: Path, kind: str) -> None:
+    """Base64, minified JSON and Chinese prose have no spaces to cut at: the library sees only a cut of
+    each, ending before a punctuation mark, and gives the whole text's first tokens."""
+    path, max_length = tokenizer_path(kind, tokenizers_dir), 64
+    texts = [base64.b64encode(random.Random(0).randbytes(60_000)).decode(),
+             json.dumps([{"id": i, "tags": ["a", "b"]} for i in range(3_000)], separators=(",", ":")),
+             "这是一个很长的中文句子，没有空格。" * 3_000]
+    expected = whole_tokenizer(path, max_length).encode_batch_fast(texts)
+    tokenizer = TextTokenizer(path, max_length, by_words=by_words(kind))
+    tokenizer.tokenizer = CountingTokenizer(tokenizer.tokenizer)
+    tokenizer._bare = CountingTokenizer(tokenizer._bare)
+
+    encoded = tokenizer.encode(texts)
+
+    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected] and all(encoded.truncated)
+    calls = tokenizer.tokenizer.calls + tokenizer._bare.calls
+    assert max(itertools.chain.from_iterable(calls)) <= max_length * CUT_CHARS_PER_TOKEN * 2
 
 
 def test_a_cut_that_falls_short_is_widened_until_it_overflows() -> None:

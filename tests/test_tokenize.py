@@ -106,16 +106,19 @@ QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
 def trained(kind: str, directory: Path) -> Path:
     """A tokenizer of the family `kind` trained on the sample corpus: bpe (GPT-2's byte-level BPE),
     qwen (Qwen3's: NFC, its Split pattern, then byte-level), bpe-whole (BPE with no pre-tokenizer,
-    which merges across spaces: nothing may be cut or split in pieces) or unigram (XLM-R's)."""
+    which merges across spaces: nothing may be cut or split in pieces), bpe-whitespace (BPE after the
+    Whitespace pre-tokenizer) or unigram (XLM-R's)."""
     path = directory / f"{kind}.json"
     if path.exists():
         return path
-    if kind in ("bpe", "qwen", "bpe-whole"):
+    if kind in ("bpe", "qwen", "bpe-whole", "bpe-whitespace"):
         tokenizer = Tokenizer(models.BPE())
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=800, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         if kind == "bpe":
             tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        elif kind == "bpe-whitespace":  # the Whitespace pre-tokenizer's \w+|[^\w\s]+
+            tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
         elif kind == "qwen":
             tokenizer.normalizer = normalizers.NFC()
             tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
@@ -256,7 +259,7 @@ def test_chinese_characters_are_no_cut_point_where_they_need_not_be_words_of_the
         assert not cut._cut_points.search("东京") and cut.encode([text]).ids[0].tolist() == expected
 
 
-@pytest.mark.parametrize("kind", ["wordpiece-library", "bpe", "qwen", "unigram"])
+@pytest.mark.parametrize("kind", ["wordpiece-library", "bpe", "qwen", "bpe-whitespace", "unigram"])
 def test_every_cut_point_starts_a_piece_of_the_whole_text(tokenizers_dir: Path, kind: str) -> None:
     """The text before each point cut_points finds is split into the whole text's first pieces (what
     any vocabulary then merges within), and tokenizes as its first tokens, here and in texts whose

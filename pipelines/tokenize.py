@@ -46,6 +46,10 @@ ROLE_PROMPTS = {"query": ("query",), "document": ("document", "passage", "corpus
 # A long text is first cut at a space before this many characters per kept token, then, if that
 # was too few, at twice as many, and so on (see encode_cut).
 CUT_CHARS_PER_TOKEN = 5
+# encode() reads a long text from a head of this many characters per kept token, and the rest only
+# when the head holds too few tokens: twice the first cut, so that a text the cut would widen seldom
+# costs a second pass.
+HEAD_CHARS_PER_TOKEN = 2 * CUT_CHARS_PER_TOKEN
 # About the tokenizer's Rust threads: rayon sizes its pool by the cores this process may use, unless
 # RAYON_NUM_THREADS or a cgroup quota says otherwise.
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -165,6 +169,7 @@ class TextTokenizer:
         self._added_raw = _any_of(contents)
         self._added_normalized = _any_of(contents + [normalize(content) for content in contents])
         self._cut_points = cut_points(normalizer, pre_tokenizer, contents) if self._cuts else None
+        self._head_chars = max_length * HEAD_CHARS_PER_TOKEN
 
     @functools.cached_property
     def _bare_pieces(self) -> Tokenizer:
@@ -173,8 +178,29 @@ class TextTokenizer:
         return pieces
 
     def encode(self, texts: Sequence[str]) -> Encoded:
-        """Token ids of each text, truncated at max_length, exactly as the tokenizer gives them."""
+        """Token ids of each text, truncated at max_length, exactly as the tokenizer gives them.
+
+        A long text is first tokenized from its head, cut (see _cut) at HEAD_CHARS_PER_TOKEN characters
+        per kept token: when that overflows, its first tokens are the whole text's, and the rest of
+        the text is never read, where checking it for added tokens and normalizing it cost as much as
+        tokenizing (17,900-character documents took 0.44 ms each against 0.18 for their first 3,000).
+        A head that does not overflow is tokenized again whole.
+        """
         texts = [text.strip() for text in texts]
+        heads = [_cut(text, self._head_chars, self._cut_points) if self._cuts else text for text in texts]
+        encoded = self._encode(heads)
+        short = [row for row, (text, head) in enumerate(zip(texts, heads))
+                 if head is not text and not encoded.truncated[row]]
+        if not short:
+            return encoded
+        whole = self._encode([texts[row] for row in short])
+        ids, truncated = list(encoded.ids), list(encoded.truncated)
+        for row, text_ids, text_truncated in zip(short, whole.ids, whole.truncated):
+            ids[row], truncated[row] = text_ids, text_truncated
+        return Encoded(ids=ids, truncated=truncated)
+
+    def _encode(self, texts: list[str]) -> Encoded:
+        """encode() of stripped texts, each read whole."""
         bare = [self._bare_text(text) for text in texts]
         results = [self._text_by_words(text, normal) for text, normal in zip(texts, bare)]
         rest = [row for row, result in enumerate(results) if result is None]

@@ -259,6 +259,28 @@ def test_chinese_characters_are_no_cut_point_where_they_need_not_be_words_of_the
         assert not cut._cut_points.search("东京") and cut.encode([text]).ids[0].tolist() == expected
 
 
+@pytest.mark.parametrize("kind", ["wordpiece", "wordpiece-library", "qwen"])
+def test_a_long_text_is_read_from_its_head_unless_that_holds_too_few_tokens(tokenizers_dir: Path, kind: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Documents of 30,000 characters are read no further than their heads; one whose head has fewer
+    tokens than the room (long runs of spaces) is read again whole; both give the whole texts' ids."""
+    path, max_length = tokenizer_path(kind, tokenizers_dir), 64
+    corpus = " ".join(corpus_texts())
+    docs = [corpus[start:start + 30_000].strip() for start in range(0, 10_000, 1_000)]
+    sparse = ("word" + " " * 30) * 1_000  # 34 characters a token: the head holds too few
+    expected = whole_tokenizer(path, max_length).encode_batch_fast(docs + [sparse])
+    tokenizer = TextTokenizer(path, max_length, by_words=by_words(kind))
+    read: list[int] = []
+    bare_text = tokenizer._bare_text
+    monkeypatch.setattr(tokenizer, "_bare_text", lambda text: read.append(len(text)) or bare_text(text))
+
+    encoded = tokenizer.encode(docs + [sparse])
+
+    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected] and all(encoded.truncated)
+    assert max(read[:len(docs)]) <= max_length * tokenize.HEAD_CHARS_PER_TOKEN < min(map(len, docs))
+    assert len(sparse.strip()) in read  # read whole the second time
+
+
 @pytest.mark.parametrize("kind", ["wordpiece-library", "bpe", "qwen", "bpe-whitespace", "unigram"])
 def test_every_cut_point_starts_a_piece_of_the_whole_text(tokenizers_dir: Path, kind: str) -> None:
     """The text before each point cut_points finds is split into the whole text's first pieces (what

@@ -316,7 +316,8 @@ class _Worker:
 
 
 class _Pulled(Future):
-    """A pulled worker's future: waiting on it, or asking whether it is done, reads the worker's answers."""
+    """A pulled worker's future: waiting on it (result(), exception()), or asking whether it is done,
+    reads the worker's answers."""
 
     def __init__(self, worker: _Worker) -> None:
         super().__init__()
@@ -329,6 +330,10 @@ class _Pulled(Future):
     def result(self, timeout: float | None = None) -> Encoded:
         self._worker.pull(self)  # waits for the answer whatever the timeout
         return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._worker.pull(self)  # as result(): Future's own would wait for a reader that a pulled worker has not
+        return super().exception(timeout)
 
 
 def _death(code: int) -> str:

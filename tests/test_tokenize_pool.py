@@ -131,6 +131,7 @@ def test_an_error_in_a_worker_is_the_error_this_process_would_raise(tokenizer: T
         with pytest.raises(TypeError) as in_worker:
             pool.submit(bad).result(timeout=60)
         assert str(in_worker.value) == str(in_process.value)
+        assert str(pool.submit(bad).exception(timeout=60)) == str(in_process.value)
         assert pool.in_workers  # the worker goes on
         assert_same(pool.submit(TEXTS).result(timeout=60), tokenizer.encode(TEXTS))
 

@@ -3,7 +3,8 @@
 #   bench/run_on_gpu.sh "<pytest args>" "<bench module and args>" ["<bench module and args>" ...]
 # e.g. bench/run_on_gpu.sh "tests/test_gpu.py" "bench.gpu_rerank --corpus .bench-data/docstrings.parquet"
 # Each benchmark runs as `python3 -m MODULE ARGS --out $OUT/NAME` (NAME: the module's last part).
-# Installs .bundle/whl (flashinfer) and .whl (the serving stack, which the GPU machine lacks: pip download
+# Installs .bundle/whl (flashinfer) and .whl (the serving stack, which the GPU machine lacks, and py-spy for
+# bench.serve_bench --profile: pip download py-spy
 # fastapi starlette pydantic pydantic_core annotated-types typing-inspection opentelemetry-api uvicorn httptools uvloop orjson for
 # cp312 manylinux) when carried; MiniLM comes from .bundle/minilm and the corpus from .bench-data/
 # (../shared/gpu/make-bundle.sh and a copy of ../shared/corpus).

@@ -14,8 +14,11 @@ per request is part of its figure (`--client httpx` uses it everywhere).
 Each point runs a few untimed requests first. They do not reach every batch shape that concurrent
 clients make, so a server without its graph warm-up (`--no-warmup`) still captures graphs inside
 timed points: each point counts the captures and eager runs the server made while timed (/metrics),
-and each server's seconds from start to healthy. `--also FLAGS` adds the same server with other
-flags. Prints a markdown table and writes every figure as JSON to --out. `--smoke` runs tiny counts
+and each server's seconds from start to healthy. The batch suite also records the CPU time each thread
+of the server and of its tokenizer workers took while timed (from /proc), which says whether one thread
+or the workers hold the suite back; `--profile` adds a py-spy profile of the server's threads while
+they hold the GIL (py-spy on the PATH or in the wheels run_on_gpu.sh installs). `--also FLAGS` adds the
+same server with other flags. Prints a markdown table and writes every figure as JSON to --out. `--smoke` runs tiny counts
 on any device.
 Not here: the engine-only suites (bench/gpu_engine.py).
 
@@ -28,8 +31,10 @@ import argparse
 import base64
 import json
 import multiprocessing
+import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,8 +73,9 @@ def main() -> None:
     for name, command in servers.items():
         with Served(command) as served:
             print(f"== {name} at {served.url}, ready after {served.ready_seconds:.1f} s", flush=True)
+            profile = args.out / f"py-spy {name}.txt" if args.profile and name.startswith("embedctl") else None
             results["servers"][name] = {"ready_seconds": served.ready_seconds,
-                                        **run_suites(args, served.url, queries, documents, corpus)}
+                                        **run_suites(args, served, queries, documents, corpus, profile)}
         (args.out / "results.json").write_text(json.dumps(results, indent=2))
     report = render(results)
     (args.out / "report.md").write_text(report)
@@ -90,6 +96,8 @@ def parse_args() -> argparse.Namespace:
                         help="the clients' HTTP: raw HTTP/1.1 on a socket (default) or the httpx library")
     parser.add_argument("--also", action="append", default=[], metavar="FLAGS",
                         help="also measure embedctl serve with these extra flags, e.g. --also='--no-warmup' (repeatable)")
+    parser.add_argument("--profile", action="store_true",
+                        help="record a py-spy profile of each embedctl server during the batch suite")
     parser.add_argument("--peer-port", type=int, default=None, help=argparse.SUPPRESS)  # run as the peer server
     args = parser.parse_args()
     if args.minilm is None:
@@ -188,7 +196,9 @@ class Served:
             self.process.kill()
 
 
-def run_suites(args: argparse.Namespace, url: str, query: str, document: str, corpus: list[str]) -> dict:
+def run_suites(args: argparse.Namespace, served: Served, query: str, document: str, corpus: list[str],
+               profile: Path | None) -> dict:
+    url = served.url
     out: dict = {"concurrency": [], "batch": None}
     for kind, text, requests in (("query", query, args.requests), ("doc512", document, max(args.requests // 4, 5))):
         for clients in CLIENTS[:2] if args.smoke else CLIENTS:
@@ -209,13 +219,85 @@ def run_suites(args: argparse.Namespace, url: str, query: str, document: str, co
         bodies.append([json.dumps({"input": docs[i: i + size], "encoding_format": "base64"}).encode()
                        for i in range(0, len(docs) - size + 1, size)])
     # every body once before timing: the same single pass over the corpus that the engine-alone figure had
-    out["batch"] = measure(url, bodies, args.batch_requests, warmup=max(len(b) for b in bodies), http=args.client)
+    watch = ServerWatch(served.process.pid, profile)
+    out["batch"] = measure(url, bodies, args.batch_requests, warmup=max(len(b) for b in bodies), http=args.client,
+                           watch=watch)
     print(f"  batch   {BATCH_PROCESSES} x {size} docs: {out['batch']['tokens_per_s']:,.0f} tokens/s, "
-          f"{out['batch']['errors']} errors", flush=True)
+          f"{out['batch']['errors']} errors; busy share of a core: {busy_summary(out['batch']['cpu'])}", flush=True)
     return out
 
 
-def measure(url: str, bodies: list[list[bytes]], requests: int, warmup: int, http: str) -> dict:
+class ServerWatch:
+    """The CPU seconds of every thread of a server and of its child processes (the tokenizer workers) over
+    a timed point, as shares of the point's wall time; with `profile`, a py-spy profile of the same span
+    (raw collapsed stacks of the threads holding the GIL, each process's own)."""
+
+    def __init__(self, pid: int, profile: Path | None) -> None:
+        self.pid, self.profile = pid, profile
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def start(self) -> None:
+        self.spy = None
+        if self.profile is not None:
+            spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.pathsep.join(
+                str(Path(p) / "bin") for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p))
+            if spy is None:
+                raise SystemExit("--profile needs py-spy on the PATH or in PYTHONPATH's bin/ (pip install py-spy)")
+            self.spy = subprocess.Popen([spy, "record", "--pid", str(self.pid), "--subprocesses", "--gil", "--threads",
+                                         "--rate", "1000", "--format", "raw", "--output", str(self.profile)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            time.sleep(1.0)  # py-spy attaches before the timed requests start
+        self.before, self.started = self.cpu_seconds(), time.perf_counter()
+
+    def stop(self) -> dict[str, float]:
+        wall = time.perf_counter() - self.started
+        after = self.cpu_seconds()
+        if self.spy is not None:
+            self.spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+            _, errors = self.spy.communicate(timeout=120)
+            if self.spy.returncode not in (0, -signal.SIGINT):
+                print(f"  py-spy failed ({self.spy.returncode}): {errors.decode()[-500:]}", flush=True)
+        return {name: round((seconds - self.before.get(name, 0.0)) / wall, 3) for name, seconds in after.items()}
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far by thread: "server main" (the event loop), "server thread TID", "worker PID"
+        (a child process, all its threads)."""
+        seconds = {}
+        for tid, used in self.threads(self.pid):
+            seconds["server main" if tid == self.pid else f"server thread {tid}"] = used
+        for child in self.children():
+            seconds[f"worker {child}"] = sum(used for _, used in self.threads(child))
+        return seconds
+
+    def threads(self, pid: int) -> list[tuple[int, float]]:
+        found = []
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # the thread ended meanwhile
+                continue
+            found.append((int(task.name), (int(fields[11]) + int(fields[12])) / self.tick))  # utime, stime
+        return found
+
+    def children(self) -> list[int]:
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == self.pid:
+                    found.append(int(stat.parent.name))
+            except (OSError, IndexError, ValueError):
+                continue
+        return found
+
+
+def busy_summary(cpu: dict[str, float]) -> str:
+    """The busiest threads and workers of a ServerWatch reading, e.g. "server main 0.97, worker 123 0.55"."""
+    shown = sorted(cpu.items(), key=lambda item: -item[1])[:8]
+    return ", ".join(f"{name} {share:.2f}" for name, share in shown if share >= 0.02)
+
+
+def measure(url: str, bodies: list[list[bytes]], requests: int, warmup: int, http: str,
+            watch: ServerWatch | None = None) -> dict:
     """One client process per entry of bodies, cycling through its bodies; all start together. http: "raw" or "httpx"."""
     context = multiprocessing.get_context("spawn")
     warmed, go = context.Barrier(len(bodies) + 1), context.Barrier(len(bodies) + 1)
@@ -227,6 +309,8 @@ def measure(url: str, bodies: list[list[bytes]], requests: int, warmup: int, htt
     try:
         warmed.wait()
         before = graph_counts(url)  # between the barriers: every client warmed up, none timing yet
+        if watch is not None:
+            watch.start()
         go.wait()
     except threading.BrokenBarrierError:
         before = {}  # a client failed: its report follows
@@ -243,6 +327,7 @@ def measure(url: str, bodies: list[list[bytes]], requests: int, warmup: int, htt
             if dead := [worker.exitcode for worker in workers if worker.exitcode not in (None, 0)]:
                 raise RuntimeError(f"a client process died (exit code {dead[0]})") from None
     wall = time.perf_counter() - started
+    cpu = watch.stop() if watch is not None else None
     if failures := [o["failure"] for o in outcomes if "failure" in o]:
         raise RuntimeError(f"{len(failures)} client(s) failed, first: {failures[0]}")
     after = graph_counts(url)
@@ -253,6 +338,7 @@ def measure(url: str, bodies: list[list[bytes]], requests: int, warmup: int, htt
     return {"p50_ms": float(np.percentile(latencies, 50)), "p99_ms": float(np.percentile(latencies, 99)),
             "requests_per_s": len(latencies) / wall, "tokens_per_s": tokens / wall,
             "errors": sum(o["errors"] for o in outcomes), "requests": len(latencies),
+            **({"cpu": cpu} if cpu is not None else {}),
             **{name: after[name] - before[name] for name in after.keys() & before.keys()}}
 
 
@@ -429,10 +515,12 @@ def render(results: dict) -> str:
                              f"{p['requests_per_s']:,.0f} | {p['tokens_per_s']:,.0f} | {p['errors']} | "
                              f"{stalls(p)} |")
     lines += ["", f"{BATCH_PROCESSES} processes x requests of {results['batch_docs']} documents; the engine alone: {engine:,.0f} tokens/s", "",
-              "| server | tokens/s | share of the engine alone | p50 ms per request | errors |", "|---|---|---|---|---|"]
+              "| server | tokens/s | share of the engine alone | p50 ms per request | errors | busiest threads and workers, share of a core |",
+              "|---|---|---|---|---|---|"]
     for name in names:
         b = results["servers"][name]["batch"]
-        lines.append(f"| {name} | {b['tokens_per_s']:,.0f} | {b['tokens_per_s'] / engine:.0%} | {b['p50_ms']:.1f} | {b['errors']} |")
+        lines.append(f"| {name} | {b['tokens_per_s']:,.0f} | {b['tokens_per_s'] / engine:.0%} | {b['p50_ms']:.1f} | {b['errors']} | "
+                     f"{busy_summary(b.get('cpu', {}))} |")
     lines += ["", "Seconds from start to a healthy server: "
               + ", ".join(f"{name} {results['servers'][name]['ready_seconds']:.1f}" for name in names)]
     return "\n".join(lines) + "\n"

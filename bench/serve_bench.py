@@ -16,8 +16,9 @@ clients make, so a server without its graph warm-up (`--no-warmup`) still captur
 timed points: each point counts the captures and eager runs the server made while timed (/metrics),
 and each server's seconds from start to healthy. The batch suite also records the CPU time each thread
 of the server and of its tokenizer workers took while timed (from /proc), which says whether one thread
-or the workers hold the suite back; `--profile` adds a py-spy profile of the server's threads while
-they hold the GIL (py-spy on the PATH or in the wheels run_on_gpu.sh installs). `--also FLAGS` adds the
+or the workers hold the suite back; `--profile` runs the batch suite once more under py-spy (on the PATH
+or in the wheels run_on_gpu.sh installs), which records the server's threads while they hold the GIL;
+the first figure stays the clean one. `--also FLAGS` adds the
 same server with other flags. Prints a markdown table and writes every figure as JSON to --out. `--smoke` runs tiny counts
 on any device.
 Not here: the engine-only suites (bench/gpu_engine.py).
@@ -73,7 +74,8 @@ def main() -> None:
     for name, command in servers.items():
         with Served(command) as served:
             print(f"== {name} at {served.url}, ready after {served.ready_seconds:.1f} s", flush=True)
-            profile = args.out / f"py-spy {name}.txt" if args.profile and name.startswith("embedctl") else None
+            profile = args.out / f"py-spy-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-')}.txt" \
+                if args.profile and name.startswith("embedctl") else None
             results["servers"][name] = {"ready_seconds": served.ready_seconds,
                                         **run_suites(args, served, queries, documents, corpus, profile)}
         (args.out / "results.json").write_text(json.dumps(results, indent=2))
@@ -96,6 +98,7 @@ def parse_args() -> argparse.Namespace:
                         help="the clients' HTTP: raw HTTP/1.1 on a socket (default) or the httpx library")
     parser.add_argument("--also", action="append", default=[], metavar="FLAGS",
                         help="also measure embedctl serve with these extra flags, e.g. --also='--no-warmup' (repeatable)")
+    parser.add_argument("--suites", default="concurrency,batch", help="comma-separated, from: concurrency, batch")
     parser.add_argument("--profile", action="store_true",
                         help="record a py-spy profile of each embedctl server during the batch suite")
     parser.add_argument("--peer-port", type=int, default=None, help=argparse.SUPPRESS)  # run as the peer server
@@ -200,7 +203,8 @@ def run_suites(args: argparse.Namespace, served: Served, query: str, document: s
                profile: Path | None) -> dict:
     url = served.url
     out: dict = {"concurrency": [], "batch": None}
-    for kind, text, requests in (("query", query, args.requests), ("doc512", document, max(args.requests // 4, 5))):
+    suites = (("query", query, args.requests), ("doc512", document, max(args.requests // 4, 5)))
+    for kind, text, requests in suites if "concurrency" in args.suites else ():
         for clients in CLIENTS[:2] if args.smoke else CLIENTS:
             body = json.dumps({"input": [text], "encoding_format": "base64"}).encode()
             points = [(kind, args.client)]
@@ -212,6 +216,8 @@ def run_suites(args: argparse.Namespace, served: Served, query: str, document: s
                 print(f"  {label:7} {clients:2} clients: p50 {point['p50_ms']:.2f} ms, p99 {point['p99_ms']:.2f} ms, "
                       f"{point['requests_per_s']:.0f} req/s, {point['errors']} errors, "
                       f"graph captures / eager runs {stalls(point)}", flush=True)
+    if "batch" not in args.suites:
+        return out
     size = args.batch_docs
     bodies = []
     for process in range(BATCH_PROCESSES):
@@ -219,11 +225,12 @@ def run_suites(args: argparse.Namespace, served: Served, query: str, document: s
         bodies.append([json.dumps({"input": docs[i: i + size], "encoding_format": "base64"}).encode()
                        for i in range(0, len(docs) - size + 1, size)])
     # every body once before timing: the same single pass over the corpus that the engine-alone figure had
-    watch = ServerWatch(served.process.pid, profile)
-    out["batch"] = measure(url, bodies, args.batch_requests, warmup=max(len(b) for b in bodies), http=args.client,
-                           watch=watch)
-    print(f"  batch   {BATCH_PROCESSES} x {size} docs: {out['batch']['tokens_per_s']:,.0f} tokens/s, "
-          f"{out['batch']['errors']} errors; busy share of a core: {busy_summary(out['batch']['cpu'])}", flush=True)
+    runs = [("batch", None)] + ([("batch_profiled", profile)] if profile is not None else [])
+    for key, profile_to in runs:  # profiled a second time: py-spy slows what it samples, the first figure stays clean
+        out[key] = measure(url, bodies, args.batch_requests, warmup=max(len(b) for b in bodies), http=args.client,
+                           watch=ServerWatch(served.process.pid, profile_to))
+        print(f"  {key} {BATCH_PROCESSES} x {size} docs: {out[key]['tokens_per_s']:,.0f} tokens/s, "
+              f"{out[key]['errors']} errors; busy share of a core: {busy_summary(out[key]['cpu'])}", flush=True)
     return out
 
 
@@ -243,8 +250,9 @@ class ServerWatch:
                 str(Path(p) / "bin") for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p))
             if spy is None:
                 raise SystemExit("--profile needs py-spy on the PATH or in PYTHONPATH's bin/ (pip install py-spy)")
+            # --nonblocking: pausing five processes 1,000 times a second cut the suite's tokens/s by two thirds
             self.spy = subprocess.Popen([spy, "record", "--pid", str(self.pid), "--subprocesses", "--gil", "--threads",
-                                         "--rate", "1000", "--format", "raw", "--output", str(self.profile)],
+                                         "--nonblocking", "--rate", "250", "--format", "raw", "--output", str(self.profile)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             time.sleep(1.0)  # py-spy attaches before the timed requests start
         self.before, self.started = self.cpu_seconds(), time.perf_counter()
@@ -518,7 +526,8 @@ def render(results: dict) -> str:
               "| server | tokens/s | share of the engine alone | p50 ms per request | errors | busiest threads and workers, share of a core |",
               "|---|---|---|---|---|---|"]
     for name in names:
-        b = results["servers"][name]["batch"]
+        if (b := results["servers"][name]["batch"]) is None:
+            continue
         lines.append(f"| {name} | {b['tokens_per_s']:,.0f} | {b['tokens_per_s'] / engine:.0%} | {b['p50_ms']:.1f} | {b['errors']} | "
                      f"{busy_summary(b.get('cpu', {}))} |")
     lines += ["", "Seconds from start to a healthy server: "

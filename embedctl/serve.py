@@ -80,7 +80,7 @@ from engine.batch import PackedBatch
 from engine.errors import short_reason
 from engine.scheduler import QueueFull, Scheduler, SchedulerClosed
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
-from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes, joined
+from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
 
 log = logging.getLogger("embedctl.serve")
 
@@ -565,9 +565,8 @@ class _Service:
     async def warm_up(self) -> None:
         try:
             await asyncio.get_running_loop().run_in_executor(self.pool, self.workers.wait_for_workers)
-            encoded = await self.encode_texts(["warm up"], "input", truncate=True)
             for _ in range(WARMUP_RUNS):
-                await self.run(encoded)
+                await self.run_texts(["warm up"], "input", truncate=True)
         except Exception as error:  # noqa: BLE001 - reported by /health instead of killing the server
             log.exception("warm-up failed")
             self.warm_error = short_reason(error)
@@ -579,13 +578,12 @@ class _Service:
     async def embeddings(self, body: EmbeddingsRequest) -> bytes:
         self.check_model(body.model)
         self.check_vectors(body.dimensions)
-        encoded = await self.encode_input(body.input)
-        vectors = self.finish(await self.run(encoded), body.dimensions, self.normalize)
+        vectors, tokens = await self.run_input(body.input)
+        vectors = self.finish(vectors, body.dimensions, self.normalize)
         if body.encoding_format == "base64":  # little-endian float32, as OpenAI's clients decode it
             rows: Sequence[Any] = [base64.b64encode(row).decode() for row in vectors.astype("<f4", copy=False)]
         else:
             rows = vectors
-        tokens = sum(len(ids) for ids in encoded.ids)
         return _dumps({"object": "list",
                        "data": [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)],
                        "model": self.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
@@ -593,8 +591,8 @@ class _Service:
     async def embed(self, body: EmbedRequest) -> bytes:
         self.check_vectors(body.dimensions)
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        encoded = await self.encode_texts(texts, "inputs", body.truncate is not False, self.prompt(body.prompt_name))
-        return _dumps(self.finish(await self.run(encoded), body.dimensions, body.normalize))
+        vectors, _ = await self.run_texts(texts, "inputs", body.truncate is not False, self.prompt(body.prompt_name))
+        return _dumps(self.finish(vectors, body.dimensions, body.normalize))
 
     async def rerank(self, body: RerankRequest) -> bytes:
         self.check_model(body.model)
@@ -671,34 +669,57 @@ class _Service:
             raise ApiError(422, f"dimensions {_clipped(dimensions)} is more than the model's {self.engine.dim}; "
                                 f"ask for at most {self.engine.dim}")
 
-    async def encode_input(self, value: str | list[str] | list[int] | list[list[int]]) -> Encoded:
-        """OpenAI `input`: texts are tokenized and truncated; token ids are checked and truncated."""
+    async def run_input(self, value: str | list[str] | list[int] | list[list[int]]) -> tuple[np.ndarray, int]:
+        """OpenAI `input`'s rows and token count: texts are tokenized and truncated; token ids are checked
+        and truncated."""
         if isinstance(value, str):
             value = [value]
         if value and isinstance(value[0], str):
-            return await self.encode_texts(value, "input", True, self.prompts["document"])
+            return await self.run_texts(value, "input", True, self.prompts["document"])
         sequences = _id_lists(value)
         self.check_token_ids(sequences, "input")
         limit = self.engine.max_length
-        return Encoded(ids=[np.asarray(ids[:limit], dtype=np.int32) for ids in sequences],
-                       truncated=[len(ids) > limit for ids in sequences])
+        encoded = Encoded(ids=[np.asarray(ids[:limit], dtype=np.int32) for ids in sequences],
+                          truncated=[len(ids) > limit for ids in sequences])
+        return await self.rows(self.submit(encoded)), _token_count(encoded)
 
-    async def encode_texts(self, texts: Sequence[str], field: str, truncate: bool, prompt: str = "") -> Encoded:
-        """Check the texts, then tokenize each with the prompt in front of it."""
+    async def run_texts(self, texts: Sequence[str], field: str, truncate: bool, prompt: str = "") -> tuple[np.ndarray, int]:
+        """Check the texts; the rows and token count of each with the prompt in front of it."""
         self.check_texts(texts, field)
-        encoded = await self.encode([prompt + text for text in texts] if prompt else texts)
-        self.check_truncation(encoded, field, truncate)
-        return encoded
+        return await self.tokenize_and_run([prompt + text for text in texts] if prompt else texts,
+                                           functools.partial(self.check_truncation, field=field, truncate=truncate))
 
-    async def encode(self, texts: Sequence[str], seconds: Sequence[str] | None = None) -> Encoded:
-        """The texts' ids, or the pairs' (texts[i], seconds[i]): spread over the worker processes for a
-        request of many texts when there are workers, else as tokenize() decides."""
-        if len(texts) >= WORKER_TEXTS and self.workers.in_workers:
-            parts = self.workers.submit_spread(texts, WORKER_TEXTS // 2, seconds)
-            return joined(await asyncio.gather(*map(asyncio.wrap_future, parts)))
-        if seconds is None:
-            return await self.tokenize(self.tokenizer.encode, texts)
-        return await self.tokenize(self.tokenizer.encode_pairs, texts, seconds)
+    async def tokenize_and_run(self, texts: Sequence[str], check: Callable[[Encoded, int], None],
+                               seconds: Sequence[str] | None = None) -> tuple[np.ndarray, int]:
+        """The engine's rows for the texts, or for the pairs (texts[i], seconds[i]), and their token count.
+        check(encoded, first) sees each tokenized part (first: the index of its first text) before it is queued.
+
+        A request of many texts is spread over the worker processes when there are workers, else
+        tokenized as tokenize() decides. A spread request's parts join the engine's queue one by one as
+        they come back, in order, so the device embeds the first while the workers finish the others
+        (bench/results/gpu-2026-12-01-run96-serve-parts-ab, 4 processes x 100 documents in two interleaved
+        rounds: 6.51 / 6.26M tok/s against 6.41 / 5.69M when the parts were joined first; two parts per
+        worker instead of one lost, 5.81 / 4.44M).
+        A part refused (check, a full queue) fails the request; parts queued before it run unread.
+        """
+        if len(texts) < WORKER_TEXTS or not self.workers.in_workers:
+            encoded = await (self.tokenize(self.tokenizer.encode, texts) if seconds is None
+                             else self.tokenize(self.tokenizer.encode_pairs, texts, seconds))
+            check(encoded, 0)
+            return await self.rows(self.submit(encoded)), _token_count(encoded)
+        parts = [asyncio.wrap_future(part) for part in self.workers.submit_spread(texts, WORKER_TEXTS // 2, seconds)]
+        queued: list[asyncio.Future] = []
+        first = tokens = 0
+        try:
+            for part in parts:
+                encoded = await part
+                check(encoded, first)
+                queued.append(self.submit(encoded))
+                first, tokens = first + len(encoded.ids), tokens + _token_count(encoded)
+            return np.concatenate([await self.rows(future) for future in queued]), tokens
+        finally:
+            for future in (*parts, *queued):  # done ones are left as they are
+                future.cancel()
 
     async def tokenize(self, work: Callable[..., T], *inputs: Sequence[Sized]) -> T:
         """work(*inputs) on the loop when the inputs (texts, or token-id lists) are short and the engine
@@ -733,9 +754,10 @@ class _Service:
             raise ApiError(413, f"{count} items in one request is more than this server's --max-client-batch "
                                 f"{self.limits.max_client_batch}; split them over several requests")
 
-    def check_truncation(self, encoded: Encoded, field: str, truncate: bool) -> None:
+    def check_truncation(self, encoded: Encoded, first: int = 0, *, field: str, truncate: bool) -> None:
+        """A 422 for the first truncated sequence when truncate is false; `first` is the index of encoded's first."""
         if not truncate and any(encoded.truncated):
-            i = encoded.truncated.index(True)
+            i = first + encoded.truncated.index(True)
             raise ApiError(422, f"{field}[{i}] is longer than the model's max length of {self.engine.max_length} tokens "
                                 "and truncate is false; shorten it or send truncate: true")
 
@@ -744,23 +766,27 @@ class _Service:
         if not query or query.isspace():
             raise _empty("query is blank; send text with at least one non-space character")
         self.check_texts(texts, field)
+        check_texts = functools.partial(self.check_truncation, field=field, truncate=truncate)
         if self.engine.num_labels:
-            encoded = await self.encode([query] * len(texts), texts)
-            self.check_truncation(encoded, field, truncate)
-            scores = (await self.run(encoded))[:, 0]
-        else:
-            query_prompt, document_prompt = self.prompts["query"], self.prompts["document"]
-            encoded = await self.encode([query_prompt + query, *(document_prompt + text for text in texts)])
-            self.check_truncation(Encoded(encoded.ids[1:], encoded.truncated[1:]), field, truncate)
-            if not truncate and encoded.truncated[0]:
-                raise ApiError(422, f"query is longer than the model's max length of {self.engine.max_length} tokens "
-                                    "and truncate is false; shorten it or send truncate: true")
-            vectors = self.finish(await self.run(encoded), None, True)
-            scores = vectors[1:] @ vectors[0]
-        return scores, sum(len(ids) for ids in encoded.ids)
+            rows, tokens = await self.tokenize_and_run([query] * len(texts), check_texts, texts)
+            return rows[:, 0], tokens
 
-    async def run(self, encoded: Encoded) -> np.ndarray:
-        """The engine's rows for these sequences, awaited without blocking the loop."""
+        def check_query_then_texts(encoded: Encoded, first: int) -> None:
+            if first == 0:
+                if not truncate and encoded.truncated[0]:
+                    raise ApiError(422, f"query is longer than the model's max length of {self.engine.max_length} "
+                                        "tokens and truncate is false; shorten it or send truncate: true")
+                encoded, first = Encoded(encoded.ids[1:], encoded.truncated[1:]), 1
+            check_texts(encoded, first - 1)
+
+        query_prompt, document_prompt = self.prompts["query"], self.prompts["document"]
+        rows, tokens = await self.tokenize_and_run([query_prompt + query, *(document_prompt + text for text in texts)],
+                                                   check_query_then_texts)
+        vectors = self.finish(rows, None, True)
+        return vectors[1:] @ vectors[0], tokens
+
+    def submit(self, encoded: Encoded) -> asyncio.Future:
+        """Queue the sequences for the engine; the future settles on the loop with their rows, or the error."""
         future = self.wakeups.loop.create_future()
         try:
             self.scheduler.submit(encoded.ids, lambda outcome: self.wakeups.settle(future, outcome), encoded.type_ids)
@@ -769,6 +795,11 @@ class _Service:
                            headers=RETRY_AFTER) from None
         except SchedulerClosed:
             raise ApiError(503, "the server is shutting down; retry against another instance", headers=RETRY_AFTER) from None
+        return future
+
+    @staticmethod
+    async def rows(future: asyncio.Future) -> np.ndarray:
+        """A submitted future's rows, awaited without blocking the loop."""
         outcome = await future
         if isinstance(outcome, BaseException):
             log.error("engine step failed", exc_info=outcome)
@@ -810,6 +841,10 @@ class _Wakeups:
         for future, outcome in queued:
             if not future.done():  # the request awaiting it was cancelled
                 future.set_result(outcome)
+
+
+def _token_count(encoded: Encoded) -> int:
+    return sum(len(ids) for ids in encoded.ids)
 
 
 def _dumps(payload: Any) -> bytes:

@@ -146,7 +146,7 @@ class TokenizerPool:
                       seconds: Sequence[str] | None = None) -> list[Future[Encoded]]:
         """The texts (or the pairs (texts[i], seconds[i])) in consecutive chunks, one per worker but none
         under `smallest` texts (at least one chunk), so that one large request is tokenized on every
-        worker side by side; their futures in order, whose answers joined() puts back together."""
+        worker side by side; their futures, in the texts' order."""
         chunks = max(1, min(len(self._workers) or THREADS, len(texts) // smallest))
         bounds = [len(texts) * chunk // chunks for chunk in range(chunks + 1)]
         return [self._submit(texts[start:end], None if seconds is None else seconds[start:end])
@@ -341,13 +341,6 @@ def _death(code: int) -> str:
     hint = " (out of memory?)" if code == -signal.SIGKILL else ""
     return (f"a tokenizer process {how}{hint}; run again, or pass --tokenizer-processes 0 to tokenize "
             "in the main process")
-
-
-def joined(parts: Sequence[Encoded]) -> Encoded:
-    """Encoded answers of consecutive chunks as one."""
-    return Encoded(ids=[ids for part in parts for ids in part.ids],
-                   truncated=[truncated for part in parts for truncated in part.truncated],
-                   type_ids=None if parts[0].type_ids is None else [types for part in parts for types in part.type_ids])
 
 
 def _unpack(flat: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, flat_types: np.ndarray | None) -> Encoded:

@@ -403,6 +403,11 @@ ERRORS = [
      "inputs[1] is longer than the model's max length of 256"),
     ("rerank too long", "/rerank", {"query": "q", "texts": [LONG], "truncate": False}, KEY, 422, "Validation",
      "texts[0] is longer"),
+    # 20 texts: a chunk per tokenizer worker, each checked as it comes back
+    ("too long in a later chunk", "/embed", {"inputs": ["short"] * 15 + [LONG] * 2 + ["short"] * 3, "truncate": False},
+     KEY, 422, "Validation", "inputs[15] is longer"),
+    ("rerank too long in a later chunk", "/rerank", {"query": "q", "texts": ["a"] * 15 + [LONG] + ["a"] * 4,
+                                                     "truncate": False}, KEY, 422, "Validation", "texts[15] is longer"),
     ("texts and documents", "/rerank", {"query": "q", "texts": ["a"], "documents": ["b"]}, KEY, 422, "Validation",
      "exactly one"),
     ("blank query", "/rerank", {"query": " ", "texts": ["a"]}, KEY, 400, "Empty", "query is blank"),

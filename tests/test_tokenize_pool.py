@@ -11,8 +11,8 @@ from concurrent.futures import Future
 import pytest
 
 from engine import UserError
-from pipelines.tokenize import TextTokenizer
-from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes, joined
+from pipelines.tokenize import Encoded, TextTokenizer
+from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
 from tests.files import child_processes
 from tests.models import minilm_path
 
@@ -27,6 +27,13 @@ PULLED = pytest.mark.parametrize("pulled", [False, True], ids=["reader-threads",
 @pytest.fixture(scope="module")
 def tokenizer() -> TextTokenizer:
     return TextTokenizer(minilm_path() / "tokenizer.json", 128)
+
+
+def joined(parts: list[Encoded]) -> Encoded:
+    """The answers of consecutive chunks as one."""
+    return Encoded(ids=[ids for part in parts for ids in part.ids],
+                   truncated=[truncated for part in parts for truncated in part.truncated],
+                   type_ids=None if parts[0].type_ids is None else [types for part in parts for types in part.type_ids])
 
 
 def assert_same(got: object, want: object) -> None:

@@ -710,6 +710,36 @@ def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path)
     assert all(hit["text"] == many[hit["index"]] for hit in spread)
 
 
+@pytest.mark.gpu
+def test_a_server_on_the_gpu_answers_as_the_cpu_engine_does(minilm_dir: Path, texts: list[str], tmp_path: Path) -> None:
+    """On the GPU, with two tokenizer workers: 62 texts through the openai client, spread over the workers and
+    queued part by part, and a cross-encoder's /rerank of 20 pairs, spread too, against the CPU engine."""
+    def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+    many = texts * 2
+    tokenizer = TextTokenizer(minilm_dir / "tokenizer.json", 256)
+    expected = Engine.load(str(minilm_dir), EngineConfig(device="cpu", max_length=256)).embed(tokenizer.encode(many).ids)
+    gpu = Engine.load(str(minilm_dir), EngineConfig(device="cuda", max_length=256, normalize=False))
+    with serving(create_app(gpu, tokenizer, tokenizer_processes=2)) as url:
+        api = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        reply = api.embeddings.create(model=str(minilm_dir), input=many)
+    assert [item.index for item in reply.data] == list(range(len(many)))
+    assert cosine(np.array([item.embedding for item in reply.data]), expected).min() >= 0.999
+
+    path = save_random_model(tmp_path / "reranker", "BertForSequenceClassification", num_labels=1, type_vocab_size=2)
+    query, docs = "how do I read a csv file", [f"{text} {i}" for i in range(2) for text in texts[1:11]]
+    reference = Engine.load(str(path), EngineConfig(device="cpu"))
+    tokenizer = TextTokenizer(reference.files.tokenizer_file, reference.max_length)
+    pairs = tokenizer.encode_pairs([query] * len(docs), docs)
+    scores = reference.embed(pairs.ids, pairs.type_ids)[:, 0]
+    reranker = Engine.load(str(path), EngineConfig(device="cuda", normalize=False))
+    with serving(create_app(reranker, tokenizer, tokenizer_processes=2)) as url:
+        hits = httpx.post(url + "/rerank", json={"query": query, "texts": docs}).json()
+    assert sorted(hit["index"] for hit in hits) == list(range(len(docs)))
+    np.testing.assert_allclose([hit["score"] for hit in hits], scores[[hit["index"] for hit in hits]], atol=0.01)
+
+
 def test_prompts_and_tei_fields_give_the_vectors_index_and_score_would(random_bert: Path) -> None:
     """A model with prompts: /v1/embeddings and /embed put its document prompt first, as `embedctl index`
     does, and /rerank its query prompt before the query, as `embedctl score` does; /embed takes TEI's

@@ -12,7 +12,8 @@ lets through, so their sizes vary from call to call, and without it a call now a
 capture a new size's graph while timed. Peer: sentence-transformers' CrossEncoder.predict on the
 same checkpoint and GPU, in fp16 and fp32 (its default). Both include tokenization and the copy of
 the scores to the host. The model is BERT-base shaped with random weights (timings do not depend on
-the weights; no cross-encoder weights ship offline). Writes results.json and report.md under --out.
+the weights; no cross-encoder weights ship offline). `--arms` measures only some of them, and
+`--pairs` only some sizes (an A/B of the host code). Writes results.json and report.md under --out.
 `--smoke` runs tiny sizes on any device to check the script.
 """
 
@@ -36,6 +37,8 @@ from pipelines.tokenize_pool import TokenizerPool
 from tests.models import BERT_BASE, SMALL_BERT, save_random_model
 
 PAIRS = (5, 25, 50)
+ARMS = ("ours", "ours_in_process", "ours_tokenize_only", "ours_model_only", "sentence_transformers_fp16",
+        "sentence_transformers_fp32")
 QUERY = "how do I stream record batches from a parquet file into a vector database"
 
 
@@ -46,8 +49,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-out/rerank"))
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--processes", type=int, help="tokenizer worker processes (default: as `embedctl score`)")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from: {', '.join(ARMS)}")
+    parser.add_argument("--pairs", default=",".join(map(str, PAIRS)), help="comma-separated pair counts")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
+    arms = args.arms.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     shape = SMALL_BERT if args.smoke else BERT_BASE
     repeats = 3 if args.smoke else args.repeats
@@ -56,29 +62,31 @@ def main() -> None:
     engine = Engine.load(str(path), EngineConfig(attention=args.attention, warmup=not args.smoke))
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
     documents = long_documents(args.corpus, tokenizer)
-    docs = documents[:max(PAIRS)]
+    sizes = [int(pairs) for pairs in args.pairs.split(",")]
+    docs = documents[:max(sizes)]
     processes = default_pair_processes(engine.device.type == "cuda") if args.processes is None else args.processes
     new_tokenizer = partial(TextTokenizer, engine.files.tokenizer_file, engine.max_length)
     results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
                "attention": engine.attention, "dtype": str(engine.dtype), "pair_tokens": engine.max_length,
                "tokenizer_processes": processes, "points": {}}
     # fp16 is how the peer figures in ../shared/gpu/README.md were taken; fp32 is CrossEncoder's default.
-    peers = {"sentence_transformers_fp16": cross_encoder(path, torch.float16, engine.max_length),
-             "sentence_transformers_fp32": cross_encoder(path, torch.float32, engine.max_length)}
-    for pairs in PAIRS:
+    peers = {name: cross_encoder(path, dtype, engine.max_length) for name, dtype in
+             (("sentence_transformers_fp16", torch.float16), ("sentence_transformers_fp32", torch.float32)) if name in arms}
+    for pairs in sizes:
         queries, texts = [QUERY] * pairs, docs[:pairs]
         encoded = tokenizer.encode_pairs(queries, texts)
         with UnseenDocuments(documents, pairs, new_tokenizer, processes) as unseen, \
                 UnseenDocuments(documents, pairs, new_tokenizer) as here:
-            point = {"ours": percentiles(lambda: pair_scores(engine, unseen.tokenizer, queries, unseen.texts, pool=unseen.workers),
-                                         repeats, before=unseen.advance),
-                     "ours_in_process": percentiles(lambda: pair_scores(engine, here.tokenizer, queries, here.texts), repeats,
-                                                    before=here.advance),
-                     # where the time goes in this process: the tokenizer alone, in pair_scores' groups;
-                     # the model alone on pairs tokenized beforehand, packed at the token budget
-                     "ours_tokenize_only": percentiles(lambda: tokenize_in_groups(here.tokenizer, queries, here.texts),
-                                                       repeats, before=here.advance),
-                     "ours_model_only": percentiles(lambda: engine.embed(encoded.ids, encoded.type_ids), repeats)}
+            ours = {"ours": lambda: percentiles(lambda: pair_scores(engine, unseen.tokenizer, queries, unseen.texts,
+                                                                    pool=unseen.workers), repeats, before=unseen.advance),
+                    "ours_in_process": lambda: percentiles(lambda: pair_scores(engine, here.tokenizer, queries, here.texts),
+                                                           repeats, before=here.advance),
+                    # where the time goes in this process: the tokenizer alone, in pair_scores' groups;
+                    # the model alone on pairs tokenized beforehand, packed at the token budget
+                    "ours_tokenize_only": lambda: percentiles(lambda: tokenize_in_groups(here.tokenizer, queries, here.texts),
+                                                              repeats, before=here.advance),
+                    "ours_model_only": lambda: percentiles(lambda: engine.embed(encoded.ids, encoded.type_ids), repeats)}
+            point = {name: measure() for name, measure in ours.items() if name in arms}
         for name, peer in peers.items():
             point[name] = percentiles(lambda: peer.predict(list(zip(queries, texts)), batch_size=pairs), repeats)
         results["points"][pairs] = point
@@ -179,8 +187,9 @@ def render(results: dict) -> str:
              "| pairs | " + " | ".join(names) + " | ours vs ST fp16 (p50) |", "|---" * (len(names) + 2) + "|"]
     for pairs, point in results["points"].items():
         cells = [f"{point[n]['p50_ms']:.2f} / {point[n]['p99_ms']:.2f}" for n in names]
-        speedup = point["sentence_transformers_fp16"]["p50_ms"] / point["ours"]["p50_ms"]
-        lines.append(f"| {pairs} | " + " | ".join(cells) + f" | {speedup:.1f}x |")
+        speedup = (f"{point['sentence_transformers_fp16']['p50_ms'] / point['ours']['p50_ms']:.1f}x"
+                   if {"ours", "sentence_transformers_fp16"} <= point.keys() else "")
+        lines.append(f"| {pairs} | " + " | ".join(cells) + f" | {speedup} |")
     return "\n".join(lines) + "\n"
 
 

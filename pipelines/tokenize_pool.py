@@ -114,7 +114,9 @@ class TokenizerPool:
         self._workers: list[_Worker] = []
         try:
             for _ in range(processes):
-                self._workers.append(_Worker(tokenizer, max(1, cores // processes), pulled))
+                # A pulled future's wait polls for its answer only where the workers leave it a core (_Worker.pull).
+                self._workers.append(_Worker(tokenizer, max(1, cores // processes), pulled,
+                                             SPIN_SECONDS if pulled and processes < cores else 0.0))
         except BaseException:
             self.close()
             raise
@@ -178,11 +180,18 @@ class TokenizerPool:
 
 
 class _Worker:
-    """One worker process: a thread writes its chunks to its stdin; its answers come through a pipe of
+    """One worker process: its chunks go to its stdin, written by the submitting thread as far as the
+    pipe takes them at once, the rest by a thread of the worker's; its answers come through a pipe of
     their own (so nothing the worker prints can garble them) and settle the futures in order, read by
-    a thread of their own, or when pulled by the threads that wait on the futures (pull())."""
+    a thread of their own, or when pulled by the threads that wait on the futures (pull()).
 
-    def __init__(self, tokenizer: TextTokenizer, threads: int, pulled: bool = False) -> None:
+    Why the submitting thread writes: on the H200 host (a virtual machine) waking a thread costs about
+    as much as tokenizing two pairs (bench/results/gpu-2026-12-01-run89-pool-idle), and the writer
+    thread slept between a rerank's bursts of chunks. Why a writer thread still: a submitter blocked
+    on a full pipe could never read the answers that the worker, blocked on writing them, waits to
+    hand over."""
+
+    def __init__(self, tokenizer: TextTokenizer, threads: int, pulled: bool, spin_seconds: float) -> None:
         answers, answers_for_worker = os.pipe()
         try:
             # Started in the package's own folder, so a folder named like ours where the user stands is not imported.
@@ -197,8 +206,12 @@ class _Worker:
         finally:
             os.close(answers_for_worker)
         self.answers = answers
-        self._answered = _poller(answers)  # polled by a pulled worker's done()
+        self._answered = _poller(answers)  # polled by a pulled worker's done() and pull()
+        self._requests = self.process.stdin.fileno()
+        os.set_blocking(self._requests, False)  # so that a submitter writes only what the pipe takes at once
+        self._unwritten = 0  # chunks handed to the writer thread and not yet all written
         self.pulled = pulled
+        self.spin_seconds = spin_seconds  # how long pull() polls for an answer before it sleeps on the pipe
         self.settled = threading.Event()  # set once the worker has its tokenizer, or has died
         self.failure: UserError | None = None
         self.pending: deque[Future[Encoded]] = deque()  # submitted, not answered, in order
@@ -227,21 +240,38 @@ class _Worker:
 
     def pull(self, until: Future[Encoded] | None = None, block: bool = True) -> None:
         """Read a pulled worker's answers in this thread until `until` is settled (None: until the
-        worker has started); with block=False, only those already there to read."""
+        worker has started); with block=False, only those already there to read. Blocking, it polls
+        for the next answer up to spin_seconds before it sleeps on the pipe, as the worker polls for
+        chunks: on the H200 host waking costs this thread about what a small chunk's answer takes.
+        With the polling and the chunks written by the submitting thread, 8 workers reranked 25 / 50
+        unseen pairs in 7.07 / 11.89 ms against 7.39-7.59 / 12.19-12.52 (bench/results/
+        gpu-2026-12-01-run100-pool-writes-ab), and in 7.22, 6.96 / 12.21, 11.82 against 6.99, 7.49 /
+        12.76, 12.23 (run101-pool-writes-ab2, alternating). Where the workers take every core it does
+        not poll: on a 2-core box two workers and a polling thread took 7.0 ms for two small chunks
+        against 1.8."""
         with self._pull_lock:
             while not self._ended and not (self.settled.is_set() if until is None else Future.done(until)):
-                if not block and not self._answered.poll(0):
-                    return
+                if not self._answered.poll(0):
+                    if not block:
+                        return
+                    awake_until = time.monotonic() + self.spin_seconds
+                    while not self._answered.poll(0) and time.monotonic() < awake_until:
+                        pass
                 if not self._take():
                     self._end()
 
     def submit(self, chunk: Chunk) -> Future[Encoded]:
         result: Future[Encoded] = _Pulled(self) if self.pulled else Future()
-        with self._lock:  # the queue and the outbox in the same order, whichever thread submits
+        frame = memoryview(_frame(pickle.dumps(chunk, pickle.HIGHEST_PROTOCOL)))
+        with self._lock:  # the queue and the pipe in the same order, whichever thread submits
             if self.failure is not None:
                 raise self.failure
             self.pending.append(result)
-            self._outbox.put(chunk)
+            if not self._unwritten:  # nothing ahead of it waits for the writer thread
+                frame = frame[self._write_some(frame):]
+            if frame:
+                self._unwritten += 1
+                self._outbox.put(frame)
         return result
 
     def close(self) -> None:
@@ -259,12 +289,26 @@ class _Worker:
             self.process.stdin.close()
         os.close(self.answers)
 
-    def _write(self) -> None:
+    def _write_some(self, frame: memoryview) -> int:
+        """Bytes of frame written to the worker's stdin without waiting."""
         try:
-            while (chunk := self._outbox.get()) is not None:
-                _write_frame(self.process.stdin, pickle.dumps(chunk, pickle.HIGHEST_PROTOCOL))
+            return os.write(self._requests, frame)
+        except BlockingIOError:
+            return 0
         except OSError:  # the worker is gone; reading its answers tells the callers
-            pass
+            return len(frame)
+
+    def _write(self) -> None:
+        """The writer thread: the chunks submit() could not write at once, in order, waiting for room."""
+        room = select.poll()
+        room.register(self._requests, select.POLLOUT)
+        while (frame := self._outbox.get()) is not None:
+            while frame:
+                frame = frame[self._write_some(frame):]
+                if frame:
+                    room.poll()
+            with self._lock:
+                self._unwritten -= 1
 
     def _read(self) -> None:
         try:
@@ -399,14 +443,18 @@ def _poller(pipe: int) -> select.poll:
     return poller
 
 
+def _frame(payload: bytes) -> bytes:
+    """The payload behind its length, as _read_frame reads it."""
+    return len(payload).to_bytes(_LENGTH_BYTES, "little") + payload
+
+
 def _write_frame(pipe: BinaryIO, payload: bytes) -> None:
-    pipe.write(len(payload).to_bytes(_LENGTH_BYTES, "little"))
-    pipe.write(payload)
+    pipe.write(_frame(payload))
     pipe.flush()
 
 
 def _read_frame(pipe: int) -> bytearray | None:
-    """The next payload _write_frame wrote to the pipe; None at the pipe's end."""
+    """The next payload _frame framed; None at the pipe's end."""
     length = _read(pipe, _LENGTH_BYTES)
     return None if length is None else _read(pipe, int.from_bytes(length, "little"))
 

@@ -46,9 +46,14 @@ def assert_same(got: object, want: object) -> None:
 
 @PULLED
 def test_workers_give_what_the_tokenizer_gives(tokenizer: TextTokenizer, pulled: bool) -> None:
-    chunks = [TEXTS, TEXTS[::-1], TEXTS[2:3], [f"document {i} about tables" for i in range(300)]]
+    # Chunks of about 80 kB do not fit in a pipe: the submitting thread writes what fits, the worker's
+    # writer thread the rest, and the chunks after it, in order, once it has.
+    large = [[f"document {i} about tables and the rows they hold " * 2 for i in range(start, start + 800)]
+             for start in range(0, 32_000, 800)]
+    chunks = [TEXTS, TEXTS[::-1], TEXTS[2:3], [f"document {i} about tables" for i in range(300)],
+              *(chunk for pair in zip(large, [TEXTS[i % 6:] for i in range(len(large))]) for chunk in pair)]
     before = child_processes()
-    with TokenizerPool(tokenizer, processes=2, pulled=pulled) as pool:
+    with TokenizerPool(tokenizer, processes=2, pulled=pulled, cores=8) as pool:  # cores: a pulled pool's waits poll
         pool.wait_for_workers()
         assert pool.in_workers and pool.depth == 4
         futures = [pool.submit(chunk) for chunk in chunks]

@@ -15,12 +15,12 @@ Each point runs a few untimed requests first. They do not reach every batch shap
 clients make, so a server without its graph warm-up (`--no-warmup`) still captures graphs inside
 timed points: each point counts the captures and eager runs the server made while timed (/metrics),
 and each server's seconds from start to healthy. The batch suite also records the CPU time each thread
-of the server and of its tokenizer workers took while timed (from /proc), which says whether one thread
-or the workers hold the suite back; `--profile` runs the batch suite once more under py-spy (on the PATH
-or in the wheels run_on_gpu.sh installs), which records the server's threads while they hold the GIL;
-the first figure stays the clean one. `--also FLAGS` adds the
-same server with other flags. Prints a markdown table and writes every figure as JSON to --out. `--smoke` runs tiny counts
-on any device.
+of the server and each tokenizer worker took while timed (from /proc): whether one thread holds the
+suite back (a worker polls for its next chunk a while, so its share is at least that busy);
+`--profile` runs the batch suite once more under py-spy (on the PATH or in the wheels run_on_gpu.sh
+installs), which records the server's threads while they hold the GIL, the first figure staying the
+clean one. `--suites` picks the suites, `--also FLAGS` adds the same server with other flags. Prints a
+markdown table and writes every figure as JSON to --out. `--smoke` runs tiny counts on any device.
 Not here: the engine-only suites (bench/gpu_engine.py).
 
     python -m bench.serve_bench --minilm .bundle/minilm --corpus .bench-data/docstrings.parquet --out serve.json
@@ -100,7 +100,7 @@ def parse_args() -> argparse.Namespace:
                         help="also measure embedctl serve with these extra flags, e.g. --also='--no-warmup' (repeatable)")
     parser.add_argument("--suites", default="concurrency,batch", help="comma-separated, from: concurrency, batch")
     parser.add_argument("--profile", action="store_true",
-                        help="record a py-spy profile of each embedctl server during the batch suite")
+                        help="run the batch suite once more under py-spy, which profiles each embedctl server")
     parser.add_argument("--peer-port", type=int, default=None, help=argparse.SUPPRESS)  # run as the peer server
     args = parser.parse_args()
     if args.minilm is None:

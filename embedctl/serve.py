@@ -24,10 +24,10 @@ TEI's {"error", "error_type"} on TEI's routes (TEI_PATHS), OpenAI's {"error": {"
 
 A request is tokenized on the event loop when it is short and the engine idle, spread over the worker
 processes of a TokenizerPool when it holds many texts (beside a GPU, where the pool has workers:
-their GIL is not the loop's), else in a thread pool (the tokenizer releases the GIL for its own
-work, so requests tokenize in parallel), its sequences join the
-engine.scheduler queue that every client shares, and the loop awaits an asyncio future that the
-scheduler thread resolves through _Wakeups, so no request ever blocks the loop on the engine. The
+their GIL is not the loop's; each worker's part is queued as it comes back), else in a thread pool
+(the tokenizer releases the GIL for its own work, so requests tokenize in parallel). Its sequences
+join the engine.scheduler queue that every client shares, and the loop awaits an asyncio future that
+the scheduler thread resolves through _Wakeups, so no request ever blocks the loop on the engine. The
 engine is loaded without normalisation: vectors are cut to `dimensions` and normalised here, per
 request, which is what lets /embed honour `normalize: false`. Texts get the model's prompts as
 `embedctl index` (documents) and `embedctl score` (queries) give them, so that the vectors agree.

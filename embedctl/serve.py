@@ -58,9 +58,9 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence, Sized
+from collections.abc import Awaitable, Callable, Iterator, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar, Union
@@ -700,13 +700,17 @@ class _Service:
         (bench/results/gpu-2026-12-01-run96-serve-parts-ab, 4 processes x 100 documents in two interleaved
         rounds: 6.51 / 6.26M tok/s against 6.41 / 5.69M when the parts were joined first; two parts per
         worker instead of one lost, 5.81 / 4.44M).
-        A part refused (check, a full queue) fails the request; parts queued before it run unread.
+        The queue must have room for the whole request before the first part is queued; a part refused
+        all the same (check, or a queue that other requests filled meanwhile) fails the request, and
+        the parts queued before it run unread.
         """
         if len(texts) < WORKER_TEXTS or not self.workers.in_workers:
             encoded = await (self.tokenize(self.tokenizer.encode, texts) if seconds is None
                              else self.tokenize(self.tokenizer.encode_pairs, texts, seconds))
             check(encoded, 0)
             return await self.rows(self.submit(encoded)), _token_count(encoded)
+        with self._admission():
+            self.scheduler.check_room(len(texts))
         parts = [asyncio.wrap_future(part) for part in self.workers.submit_spread(texts, WORKER_TEXTS // 2, seconds)]
         queued: list[asyncio.Future] = []
         first = tokens = 0
@@ -772,7 +776,7 @@ class _Service:
             return rows[:, 0], tokens
 
         def check_query_then_texts(encoded: Encoded, first: int) -> None:
-            if first == 0:
+            if first == 0:  # the query is text 0, so with truncate false a long query is named before any text
                 if not truncate and encoded.truncated[0]:
                     raise ApiError(422, f"query is longer than the model's max length of {self.engine.max_length} "
                                         "tokens and truncate is false; shorten it or send truncate: true")
@@ -788,14 +792,21 @@ class _Service:
     def submit(self, encoded: Encoded) -> asyncio.Future:
         """Queue the sequences for the engine; the future settles on the loop with their rows, or the error."""
         future = self.wakeups.loop.create_future()
-        try:
+        with self._admission():
             self.scheduler.submit(encoded.ids, lambda outcome: self.wakeups.settle(future, outcome), encoded.type_ids)
+        return future
+
+    @staticmethod
+    @contextmanager
+    def _admission() -> Iterator[None]:
+        """The scheduler's refusals as the API's: 429 for a full queue, 503 while shutting down."""
+        try:
+            yield
         except QueueFull as error:
             raise ApiError(429, f"the server is busy: {error}; retry after {RETRY_AFTER_SECONDS} s",
                            headers=RETRY_AFTER) from None
         except SchedulerClosed:
             raise ApiError(503, "the server is shutting down; retry against another instance", headers=RETRY_AFTER) from None
-        return future
 
     @staticmethod
     async def rows(future: asyncio.Future) -> np.ndarray:

@@ -91,15 +91,24 @@ class Scheduler:
         if not ids:
             raise ValueError("a request needs at least one sequence")
         with self._lock:
-            if self._closing:
-                raise SchedulerClosed("the server is shutting down")
-            if self.stats.depth + len(ids) > self.max_queue:
-                raise QueueFull(self.stats.depth, len(ids), self.max_queue)
+            self._check_room(len(ids))
             request = _Request(len(ids), done)
             for index, seq in enumerate(ids):
                 self._waiting.append((seq, type_ids[index] if type_ids is not None else None, request, index))
             self.stats.depth += len(ids)
             self._lock.notify()
+
+    def check_room(self, count: int) -> None:
+        """Raise as submit() would for a request of `count` sequences now, admitting nothing: for a caller
+        that submits one request in parts, so that it is refused before any part is queued."""
+        with self._lock:
+            self._check_room(count)
+
+    def _check_room(self, count: int) -> None:
+        if self._closing:
+            raise SchedulerClosed("the server is shutting down")
+        if self.stats.depth + count > self.max_queue:
+            raise QueueFull(self.stats.depth, count, self.max_queue)
 
     def close(self) -> None:
         """Admit nothing more, answer every admitted request, then stop the thread."""

@@ -507,10 +507,13 @@ def test_full_queue_gets_429_with_retry_after_then_serves_again(client: httpx.Cl
         assert worker.is_alive(), "the long request finished before the queue could be seen holding it"
         time.sleep(0.002)
     refused = client.post("/embed", json={"inputs": ["a query"] * 10})
+    # 16 texts, tokenized in two parts of 8: refused whole, before the first part could take the room left
+    spread = client.post("/embed", json={"inputs": ["a query"] * 16})
     worker.join()
     assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
     message, error_type = refusal(refused)
     assert "the queue holds 32 of at most 40 sequences" in message and error_type == "Overloaded"
+    assert spread.status_code == 429 and "16 more do not fit" in refusal(spread)[0]
     assert slow["reply"].status_code == 200 and len(slow["reply"].json()) == 32
     assert client.post("/embed", json={"inputs": ["a query"] * 10}).status_code == 200
 

@@ -267,6 +267,8 @@ class _Worker:
         with self._lock:  # the queue and the pipe in the same order, whichever thread submits
             if self.failure is not None:
                 raise self.failure
+            if self._closing:  # its stdin may be closed, and the descriptor another file's by now
+                raise RuntimeError("the tokenizer pool is closed")
             self.pending.append(result)
             if not self._unwritten:  # nothing ahead of it waits for the writer thread
                 frame = frame[self._write_some(frame):]
@@ -276,7 +278,8 @@ class _Worker:
         return result
 
     def close(self) -> None:
-        self._closing = True
+        with self._lock:  # no submit() writes from here on
+            self._closing = True
         self.process.kill()
         self._outbox.put(None)
         for thread in self._io:

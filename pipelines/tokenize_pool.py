@@ -220,7 +220,7 @@ class _Worker:
         self._pull_lock = threading.Lock()  # one thread at a time reads a pulled worker's answers
         self._closing = False
         self._ended = False
-        self._outbox: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()  # frames, None to stop
         roles = ((self._write, "in"),) if pulled else ((self._write, "in"), (self._read, "out"))
         self._io = [threading.Thread(target=target, name=f"embedctl-tokenize-{name}", daemon=True)
                     for target, name in roles]
@@ -255,9 +255,7 @@ class _Worker:
                 if not self._answered.poll(0):
                     if not block:
                         return
-                    awake_until = time.monotonic() + self.spin_seconds
-                    while not self._answered.poll(0) and time.monotonic() < awake_until:
-                        pass
+                    _poll_awhile(self._answered, self.spin_seconds)
                 if not self._take():
                     self._end()
 
@@ -432,9 +430,7 @@ def _serve(tokenizer_file: str, max_length: str, answers_fd: str) -> None:
 
 def _receive(requests: int, arrived: select.poll) -> Chunk | None:
     """The next chunk from the pipe, after polling for it up to SPIN_SECONDS; None once the parent has closed it."""
-    awake_until = time.monotonic() + SPIN_SECONDS
-    while not arrived.poll(0) and time.monotonic() < awake_until:
-        pass
+    _poll_awhile(arrived, SPIN_SECONDS)
     frame = _read_frame(requests)
     return None if frame is None else pickle.loads(frame)
 
@@ -445,6 +441,14 @@ def _poller(pipe: int) -> select.poll:
     poller = select.poll()
     poller.register(pipe, select.POLLIN)
     return poller
+
+
+def _poll_awhile(poller: select.poll, seconds: float) -> None:
+    """Return once the poller's pipe has something to read, or has ended, or after `seconds`: a thread
+    that polls stays awake for what comes, where one blocked in a read has to be woken."""
+    awake_until = time.monotonic() + seconds
+    while not poller.poll(0) and time.monotonic() < awake_until:
+        pass
 
 
 def _frame(payload: bytes) -> bytes:

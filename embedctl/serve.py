@@ -770,9 +770,9 @@ class _Service:
         if not query or query.isspace():
             raise _empty("query is blank; send text with at least one non-space character")
         self.check_texts(texts, field)
-        check_texts = functools.partial(self.check_truncation, field=field, truncate=truncate)
+        check_truncated = functools.partial(self.check_truncation, field=field, truncate=truncate)
         if self.engine.num_labels:
-            rows, tokens = await self.tokenize_and_run([query] * len(texts), check_texts, texts)
+            rows, tokens = await self.tokenize_and_run([query] * len(texts), check_truncated, texts)
             return rows[:, 0], tokens
 
         def check_query_then_texts(encoded: Encoded, first: int) -> None:
@@ -781,7 +781,7 @@ class _Service:
                     raise ApiError(422, f"query is longer than the model's max length of {self.engine.max_length} "
                                         "tokens and truncate is false; shorten it or send truncate: true")
                 encoded, first = Encoded(encoded.ids[1:], encoded.truncated[1:]), 1
-            check_texts(encoded, first - 1)
+            check_truncated(encoded, first - 1)
 
         query_prompt, document_prompt = self.prompts["query"], self.prompts["document"]
         rows, tokens = await self.tokenize_and_run([query_prompt + query, *(document_prompt + text for text in texts)],

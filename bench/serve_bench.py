@@ -16,11 +16,12 @@ clients make, so a server without its graph warm-up (`--no-warmup`) still captur
 timed points: each point counts the captures and eager runs the server made while timed (/metrics),
 and each server's seconds from start to healthy. The batch suite also records the CPU time each thread
 of the server and each tokenizer worker took while timed (from /proc): whether one thread holds the
-suite back (a worker polls for its next chunk a while, so its share is at least that busy);
-`--profile` runs the batch suite once more under py-spy (on the PATH or in the wheels run_on_gpu.sh
-installs), which records the server's threads while they hold the GIL, the first figure staying the
-clean one. `--suites` picks the suites, `--also FLAGS` adds the same server with other flags. Prints a
-markdown table and writes every figure as JSON to --out. `--smoke` runs tiny counts on any device.
+suite back (a worker polls for its next chunk a while, so its share is at least that busy); every
+other point records them too. `--profile` runs the batch suite and the 16-client short queries once
+more under py-spy (on the PATH or in the wheels run_on_gpu.sh installs), which records the server's
+threads while they hold the GIL, the first figures staying the clean ones. `--suites` picks the
+suites, `--also FLAGS` adds the same server with other flags. Prints a markdown table and writes
+every figure as JSON to --out. `--smoke` runs tiny counts on any device.
 Not here: the engine-only suites (bench/gpu_engine.py).
 
     python -m bench.serve_bench --minilm .bundle/minilm --corpus .bench-data/docstrings.parquet --out serve.json
@@ -100,7 +101,7 @@ def parse_args() -> argparse.Namespace:
                         help="also measure embedctl serve with these extra flags, e.g. --also='--no-warmup' (repeatable)")
     parser.add_argument("--suites", default="concurrency,batch", help="comma-separated, from: concurrency, batch")
     parser.add_argument("--profile", action="store_true",
-                        help="run the batch suite once more under py-spy, which profiles each embedctl server")
+                        help="run the batch suite and 16 clients' queries once more under py-spy, profiling each embedctl server")
     parser.add_argument("--peer-port", type=int, default=None, help=argparse.SUPPRESS)  # run as the peer server
     args = parser.parse_args()
     if args.minilm is None:
@@ -210,12 +211,17 @@ def run_suites(args: argparse.Namespace, served: Served, query: str, document: s
             points = [(kind, args.client)]
             if (kind, clients, args.client) == ("query", 1, "raw"):  # what a client library adds, for the record
                 points.append(("query, httpx client", "httpx"))
+            if profile is not None and (kind, clients) == ("query", CLIENTS[-1]):
+                points.append((f"{kind}, profiled", args.client))
             for label, http in points:
-                point = measure(url, [[body]] * clients, requests, warmup=2 if args.smoke else 20, http=http)
+                profile_to = profile.with_name(f"{profile.stem}-{kind}-{clients}.txt") if label.endswith("profiled") else None
+                point = measure(url, [[body]] * clients, requests, warmup=2 if args.smoke else 20, http=http,
+                                watch=ServerWatch(served.process.pid, profile_to))
                 out["concurrency"].append({"kind": label, "clients": clients, **point})
                 print(f"  {label:7} {clients:2} clients: p50 {point['p50_ms']:.2f} ms, p99 {point['p99_ms']:.2f} ms, "
                       f"{point['requests_per_s']:.0f} req/s, {point['errors']} errors, "
-                      f"graph captures / eager runs {stalls(point)}", flush=True)
+                      f"graph captures / eager runs {stalls(point)}; busy share of a core: {busy_summary(point['cpu'])}",
+                      flush=True)
     if "batch" not in args.suites:
         return out
     size = args.batch_docs

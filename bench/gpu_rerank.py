@@ -149,7 +149,7 @@ class UnseenDocuments:
     def _renew(self) -> None:
         self.close()
         self.tokenizer = self.new_tokenizer()
-        # This process's cache too: calls of fewer than POOL_MIN_PAIRS pairs are tokenized here.
+        # This process's cache too: it tokenizes the first pair of calls of fewer than POOL_MIN_PAIRS pairs.
         self.tokenizer.encode_pairs([QUERY] * len(self.seen), self.seen)
         if not self.processes:
             return

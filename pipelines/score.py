@@ -53,12 +53,14 @@ RERANK_QUERY_BLOCK = 256
 # EVEN_PAIR_GROUPS groups; each later group is twice the one before.
 PAIR_GROUP = 2
 EVEN_PAIR_GROUPS = 4
-# Fewer pairs than this are tokenized here even when the tokenizer pool has workers: on the H200 host
-# the first group came back from them 1-3 ms after it was handed over, against 0.3-0.5 ms to tokenize
-# it here, so 5 pairs reranked in 3.0-3.1 ms through them and in 2.4 here, while 25 took 7.8-8.1
-# against 8.1 and 50 took 12.5-14.1 against 14.4 (bench/results/gpu-2026-12-01-run82-rerank-pool).
-# With the workers awake and their answers pulled, 5 pairs still took 2.86 ms through them against
-# 2.23 here, and 25 / 50 pairs 7.46 / 12.45 (run91).
+# From this many pairs on, a pool's workers take every pair, in pair_groups' groups. Fewer go to them a
+# pair each but the first, which is tokenized here meanwhile, so that the device starts on it while
+# they answer (0.7-1.2 ms after the hand-over on the H200 host, where one pair took 0.3-0.4 here:
+# bench/results/gpu-2026-12-01-run104-rerank-timeline): 5 pairs reranked in 2.49 and 2.63 ms that
+# way, against 3.03 and 3.05 with all five in the workers in groups of two, and 3.35-3.82 all tokenized
+# here (run103-rerank-hybrid, alternating; a slow host, the model alone 1.44-1.69). Before the workers
+# stayed awake, a group came back from them 1-3 ms after it was handed over, so fewer than this were
+# all tokenized here (run82, run91).
 POOL_MIN_PAIRS = 16
 # Cores per tokenizer worker process for a reranker's pairs (default_pair_processes): the words are
 # split in Python, one core per process. On the 16-core H200 host 8 workers reranked 50 pairs in
@@ -401,9 +403,10 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
     and the last group's pairs leave at once. On the CPU a step is done before step() returns, so
     each group is a step.
 
-    With a pool whose worker processes have started and at least POOL_MIN_PAIRS pairs, every group
-    is handed to the workers at once and they tokenize side by side, each group as its worker gets
-    to it; otherwise the groups are tokenized here, one after the other, between steps. On the H200
+    With a pool whose worker processes have started, every group is handed to the workers at once and
+    they tokenize side by side, each group as its worker gets to it; below POOL_MIN_PAIRS pairs, the
+    groups are single pairs and the first is tokenized here meanwhile. Without one, the groups are
+    tokenized here, one after the other, between steps. On the H200
     host one process tokenized unseen pairs of 512 tokens about as fast as the device scored them
     (0.2 ms a pair), so the scores waited on it (bench/results/gpu-2026-12-01-run81-rerank-timeline).
 
@@ -441,15 +444,20 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
 def _tokenized_groups(tokenizer: TextTokenizer, pool: TokenizerPool | None, firsts: list[str],
                       seconds: list[str]) -> Iterator[tuple[Encoded, bool | None]]:
     """Each group's pairs tokenized, in order, with whether the next group's are at hand already (None
-    after the last group): from the pool's workers when it has them running and there are at least
-    POOL_MIN_PAIRS pairs, else tokenized here."""
-    if pool is None or not pool.in_workers or len(firsts) < POOL_MIN_PAIRS:
+    after the last group). With the pool's workers running: at least POOL_MIN_PAIRS pairs all go to
+    them; fewer are a pair per group, the first tokenized here while the workers take the others.
+    Else all are tokenized here."""
+    if pool is None or not pool.in_workers or len(firsts) == 1:
         groups = list(pair_groups(len(firsts)))
         for index, (start, end) in enumerate(groups):
             yield tokenizer.encode_pairs(firsts[start:end], seconds[start:end]), False if index + 1 < len(groups) else None
         return
-    futures = [pool.submit_pairs(firsts[start:end], seconds[start:end])
-               for start, end in pair_groups(len(firsts), even_groups=2 * pool.processes, largest=POOL_LARGEST_GROUP)]
+    if len(firsts) < POOL_MIN_PAIRS:
+        futures = [pool.submit_pairs(firsts[i:i + 1], seconds[i:i + 1]) for i in range(1, len(firsts))]
+        yield tokenizer.encode_pairs(firsts[:1], seconds[:1]), futures[0].done()
+    else:
+        futures = [pool.submit_pairs(firsts[start:end], seconds[start:end]) for start, end
+                   in pair_groups(len(firsts), even_groups=2 * pool.processes, largest=POOL_LARGEST_GROUP)]
     for index, future in enumerate(futures):
         yield future.result(), futures[index + 1].done() if index + 1 < len(futures) else None
 

@@ -499,12 +499,13 @@ def test_pairs_gather_into_one_step_while_the_device_has_steps_queued(cross_enco
     assert cpu.step_pairs == [2, 2, 2, 2, 2]
 
 
-@pytest.mark.parametrize(("pairs", "submitted"), [(20, [2, 2, 2, 2, 4, 8]), (15, [])])
+@pytest.mark.parametrize(("pairs", "submitted"), [(20, [2, 2, 2, 2, 4, 8]), (15, [1] * 14), (1, [])])
 def test_pairs_tokenized_in_worker_processes_score_as_in_this_one(cross_encoder: Path, monkeypatch: pytest.MonkeyPatch,
                                                                   pairs: int, submitted: list[int]) -> None:
     """With a pool's workers running and at least POOL_MIN_PAIRS pairs, every group goes to them up
-    front, two per worker in small groups first (fewer pairs are tokenized here); the scores are the
-    ones tokenizing here gives, long and non-ASCII documents included."""
+    front, two per worker in small groups first; fewer go to them a pair each but the first, which is
+    tokenized here, and a lone pair stays here. The scores are the ones tokenizing here gives, long
+    and non-ASCII documents included."""
     assert score.POOL_MIN_PAIRS == 16
     reranker = embedctl.load(str(cross_encoder), device="cpu")
     firsts = ["a question"] * pairs

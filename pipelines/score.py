@@ -406,9 +406,9 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
     With a pool whose worker processes have started, every group is handed to the workers at once and
     they tokenize side by side, each group as its worker gets to it; below POOL_MIN_PAIRS pairs, the
     groups are single pairs and the first is tokenized here meanwhile. Without one, the groups are
-    tokenized here, one after the other, between steps. On the H200
-    host one process tokenized unseen pairs of 512 tokens about as fast as the device scored them
-    (0.2 ms a pair), so the scores waited on it (bench/results/gpu-2026-12-01-run81-rerank-timeline).
+    tokenized here, one after the other, between steps. On the H200 host one process tokenized
+    unseen pairs of 512 tokens about as fast as the device scored them (0.2 ms a pair), so the
+    scores waited on it (bench/results/gpu-2026-12-01-run81-rerank-timeline).
 
     scored, when given, hears how many pairs (from the first) have their scores, each time that grows.
     For it, the results already ready are taken between steps, in order and without waiting on any, so
@@ -447,7 +447,7 @@ def _tokenized_groups(tokenizer: TextTokenizer, pool: TokenizerPool | None, firs
     after the last group). With the pool's workers running: at least POOL_MIN_PAIRS pairs all go to
     them; fewer are a pair per group, the first tokenized here while the workers take the others.
     Else all are tokenized here."""
-    if pool is None or not pool.in_workers or len(firsts) == 1:
+    if pool is None or not pool.in_workers or len(firsts) <= 1:
         groups = list(pair_groups(len(firsts)))
         for index, (start, end) in enumerate(groups):
             yield tokenizer.encode_pairs(firsts[start:end], seconds[start:end]), False if index + 1 < len(groups) else None

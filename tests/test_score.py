@@ -525,6 +525,13 @@ def test_pairs_tokenized_in_worker_processes_score_as_in_this_one(cross_encoder:
     assert scored[-1] == pairs and scored == sorted(scored)
 
 
+def test_no_pairs_score_nothing_with_workers_running(cross_encoder: Path) -> None:
+    reranker = embedctl.load(str(cross_encoder), device="cpu")
+    with TokenizerPool(reranker.tokenizer, processes=1, pulled=True) as pool:
+        pool.wait_for_workers()
+        assert pair_scores(reranker.engine, reranker.tokenizer, [], [], pool=pool).shape == (0,)
+
+
 def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_dir: Path) -> None:
     options = ScoreOptions(queries=str(QUERIES), index=str(sample_table))
     inputs = open_inputs(options)

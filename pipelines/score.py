@@ -445,39 +445,21 @@ def _tokenized_groups(tokenizer: TextTokenizer, pool: TokenizerPool | None, firs
                       seconds: list[str]) -> Iterator[tuple[Encoded, bool | None]]:
     """Each group's pairs tokenized, in order, with whether the next group's are at hand already (None
     after the last group). With the pool's workers running: at least POOL_MIN_PAIRS pairs all go to
-    them; fewer are two groups, the first pair, tokenized here, and the others, whose documents the
-    workers tokenize meanwhile in pieces, about one a worker (TextTokenizer.pair_pieces). Else all
-    are tokenized here."""
+    them; fewer are a pair per group, the first tokenized here while the workers take the others.
+    Else all are tokenized here."""
     if pool is None or not pool.in_workers or len(firsts) <= 1:
         groups = list(pair_groups(len(firsts)))
         for index, (start, end) in enumerate(groups):
             yield tokenizer.encode_pairs(firsts[start:end], seconds[start:end]), False if index + 1 < len(groups) else None
         return
     if len(firsts) < POOL_MIN_PAIRS:
-        yield from _first_pair_and_pieces(tokenizer, pool, firsts, seconds)
-        return
-    futures = [pool.submit_pairs(firsts[start:end], seconds[start:end]) for start, end
-               in pair_groups(len(firsts), even_groups=2 * pool.processes, largest=POOL_LARGEST_GROUP)]
+        futures = [pool.submit_pairs(firsts[i:i + 1], seconds[i:i + 1]) for i in range(1, len(firsts))]
+        yield tokenizer.encode_pairs(firsts[:1], seconds[:1]), futures[0].done()
+    else:
+        futures = [pool.submit_pairs(firsts[start:end], seconds[start:end]) for start, end
+                   in pair_groups(len(firsts), even_groups=2 * pool.processes, largest=POOL_LARGEST_GROUP)]
     for index, future in enumerate(futures):
         yield future.result(), futures[index + 1].done() if index + 1 < len(futures) else None
-
-
-def _first_pair_and_pieces(tokenizer: TextTokenizer, pool: TokenizerPool, firsts: list[str],
-                           seconds: list[str]) -> Iterator[tuple[Encoded, bool | None]]:
-    """_tokenized_groups' two groups for 2 to POOL_MIN_PAIRS - 1 pairs.
-
-    A worker's answer arrives 0.2-0.3 ms after its chunk at best on the H200 host, and one pair of
-    512 tokens took 0.4 ms more to tokenize; one pair each, the workers' pairs came back 0.8-1.3 ms
-    after the hand-over while this process tokenized the first (bench/results/
-    gpu-2026-12-01-run104-rerank-timeline). In pieces each worker has a fraction of a pair.
-    """
-    planned = tokenizer.pair_pieces(firsts[1:], seconds[1:], parts=pool.processes)
-    pieces = [pool.submit_pieces([piece]) for piece in planned.pieces]
-    whole = [pool.submit_pairs([firsts[1 + i] for i in planned.whole], [seconds[1 + i] for i in planned.whole])
-             for _ in planned.whole[:1]]
-    yield tokenizer.encode_pairs(firsts[:1], seconds[:1]), all(future.done() for future in pieces + whole)
-    yield tokenizer.assemble_pairs(planned, [future.result().ids[0] for future in pieces],
-                                   whole[0].result() if whole else None), None
 
 
 def _queries_scored(progress: Progress, first: int, hits: list[int], total: int) -> Callable[[int], None]:

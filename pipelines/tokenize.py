@@ -19,8 +19,7 @@ exactly the ids the library gives for the whole text (tests/test_tokenize.py, te
   (ascii_normalizer), which CPython runs at memory speed;
 - fewer pairs than cores (a cross-encoder's few long pairs) are tokenized in pieces on every core
   rather than one pair per core, and put together with the tokenizer's own pair template
-  (TextTokenizer.encode_pairs); the pieces may also be tokenized in other processes
-  (TextTokenizer.pair_pieces, encode_pieces and assemble_pairs).
+  (TextTokenizer.encode_pairs).
 """
 
 from __future__ import annotations
@@ -101,21 +100,6 @@ class ShortQuery:
 
     ids: np.ndarray  # its ids without special tokens
     left: int  # the room it leaves for the document's tokens
-
-
-@dataclass(frozen=True)
-class PairPieces:
-    """Pairs planned to be tokenized elsewhere, in other processes (TextTokenizer.pair_pieces): `pieces`
-    of their documents' cuts, in normal form, for encode_pieces, and the pairs (by index) that pieces
-    cannot make, for encode_pairs whole; TextTokenizer.assemble_pairs puts the answers together."""
-
-    pieces: list[str]
-    whole: list[int]
-    pairs: list[tuple[str, str]]  # stripped
-    bare: list[tuple[str, str] | None]  # each pair's normal form, where known
-    short: dict[int, ShortQuery]  # the pairs put together from pieces
-    cuts: dict[int, str]  # their documents' cuts
-    owners: list[str]  # the cut each piece is of
 
 
 def _pair_result(encoding: Encoding) -> PairResult:
@@ -286,7 +270,9 @@ class TextTokenizer:
         tokenizer are put together word by word (_pair_by_words); the others go to the library
         (_pairs_by_library).
         """
-        pairs, normal = self._normal_pairs(firsts, seconds)
+        pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
+        normal_forms = {text: self._bare_text(text) for pair in pairs for text in pair}  # a query recurs per pair
+        normal = [(normal_forms[a], normal_forms[b]) for a, b in pairs]
         bare = [pair if None not in pair else None for pair in normal]
         results = {i: result for i, pair in enumerate(pairs)
                    if (result := self._pair_by_words(pair, normal[i])) is not None}
@@ -295,47 +281,6 @@ class TextTokenizer:
             by_library = self._pairs_by_library([pairs[i] for i in rest], [bare[i] for i in rest])
             results |= {rest[row]: result for row, result in by_library.items()}
         return _encoded_pairs(results, len(pairs))
-
-    def pair_pieces(self, firsts: Sequence[str], seconds: Sequence[str], parts: int) -> PairPieces:
-        """The pairs planned for tokenizing in other processes: their documents' cuts (as
-        _pairs_in_pieces cuts them) in about `parts` pieces in all, for encode_pieces, and the pairs
-        whose query is not short or whose normal form is not known here, for encode_pairs whole. A
-        pair of 512 tokens took 0.4 ms to tokenize on the H200 host, which `parts` processes share."""
-        pairs, normal = self._normal_pairs(firsts, seconds)
-        bare = [pair if None not in pair else None for pair in normal]
-        pieced = self._bare is not None and self._cuts and self._templates["pair"] is not None
-        short = self._short_queries(bare) if pieced else {}
-        cuts = self._document_cuts(bare, short)
-        owners, pieces = _split(list(dict.fromkeys(cuts.values())), parts)
-        return PairPieces(pieces=pieces, whole=[i for i in range(len(pairs)) if i not in short], pairs=pairs,
-                          bare=bare, short=short, cuts=cuts, owners=owners)
-
-    def encode_pieces(self, pieces: Sequence[str]) -> Encoded:
-        """The ids of each piece of PairPieces.pieces, without special tokens or truncation."""
-        ids = [self._words.ids(piece, len(piece) + 1) if self._words is not None and piece.isascii() else None
-               for piece in pieces]
-        rest = [row for row, piece_ids in enumerate(ids) if piece_ids is None]
-        for row, encoding in zip(rest, self._bare_pieces.encode_batch_fast([pieces[row] for row in rest],
-                                                                           add_special_tokens=False)):
-            ids[row] = encoding.ids
-        return Encoded(ids=[np.asarray(piece_ids, dtype=np.int32) for piece_ids in ids], truncated=[False] * len(ids))
-
-    def assemble_pairs(self, planned: PairPieces, piece_ids: Sequence[Sequence[int]], whole: Encoded | None) -> Encoded:
-        """The planned pairs as encode_pairs gives them, from the ids of each of their pieces
-        (encode_pieces) and the encode_pairs of their `whole` pairs (None when there are none). A cut
-        whose pieces do not tell (see _filled_pairs) has its pair tokenized here."""
-        results = self._filled_pairs(planned.bare, planned.short, planned.cuts, _joined(planned.owners, piece_ids))
-        if whole is not None:
-            results |= {i: (ids, types, truncated) for i, ids, types, truncated
-                        in zip(planned.whole, whole.ids, whole.type_ids, whole.truncated, strict=True)}
-        results |= self._pairs_whole(planned.bare, planned.pairs, [i for i in planned.short if i not in results])
-        return _encoded_pairs(results, len(planned.pairs))
-
-    def _normal_pairs(self, firsts: Sequence[str], seconds: Sequence[str]) -> tuple[list[tuple[str, str]], list[tuple]]:
-        """The pairs stripped, and each text's normal form (None where not known here)."""
-        pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
-        normal_forms = {text: self._bare_text(text) for pair in pairs for text in pair}  # a query recurs per pair
-        return pairs, [(normal_forms[a], normal_forms[b]) for a, b in pairs]
 
     def _pairs_by_library(self, pairs: list[tuple[str, str]],
                           bare: list[tuple[str, str] | None]) -> dict[int, PairResult]:
@@ -392,25 +337,15 @@ class TextTokenizer:
         """The pairs of `short` put together here, where their documents' cuts tell; by pair.
 
         Whole, five pairs of 512 tokens took 2.8 ms to tokenize on the H200 host, and 1.3 ms in
-        pieces (bench/results/gpu-2026-11-30-run25-tokenizer). Each document is cut (_document_cuts)
-        and the cuts split into about one piece per core, tokenized at once.
+        pieces (bench/results/gpu-2026-11-30-run25-tokenizer). Each document is cut at
+        CUT_CHARS_PER_TOKEN characters per token of the room its query leaves, and the cuts are split
+        at suitable spaces (see _cut) into about one piece per core, tokenized at once. A cut's
+        pieces hold its tokens, which are the whole document's first (see _cut); a cut with no more
+        than the room (and not whole) is left to the tokenizer. The pair is the template's special
+        tokens around the query and the kept tokens.
         """
-        cuts = self._document_cuts(bare, short)
-        owners, pieces = _split(list(dict.fromkeys(cuts.values())), CORES)
-        encodings = self._bare_pieces.encode_batch_fast(pieces, add_special_tokens=False)
-        return self._filled_pairs(bare, short, cuts, _joined(owners, [encoding.ids for encoding in encodings]))
-
-    def _document_cuts(self, bare: list[tuple[str, str] | None], short: dict[int, ShortQuery]) -> dict[int, str]:
-        """The normal form of each `short` pair's document, cut at CUT_CHARS_PER_TOKEN characters per
-        token of the room its query leaves (see _cut); by pair. A cut's tokens are the whole
-        document's first, and so are its pieces' tokens back to back, when split at suitable spaces."""
-        return {i: _cut(bare[i][1], query.left * CUT_CHARS_PER_TOKEN, self._cut_points) for i, query in short.items()}
-
-    def _filled_pairs(self, bare: list[tuple[str, str] | None], short: dict[int, ShortQuery],
-                      cuts: dict[int, str], document_ids: dict[str, np.ndarray]) -> dict[int, PairResult]:
-        """The `short` pairs, from their documents' cuts' ids, where these tell; by pair. A cut with no
-        more than the room its query leaves (and not whole) does not: it is left to the tokenizer. The
-        pair is the template's special tokens around the query and the kept tokens."""
+        cuts = {i: _cut(bare[i][1], query.left * CUT_CHARS_PER_TOKEN, self._cut_points) for i, query in short.items()}
+        document_ids = self._in_pieces(list(dict.fromkeys(cuts.values())))
         results = {}
         for i, query in short.items():
             document, whole = document_ids[cuts[i]], len(cuts[i]) == len(bare[i][1])
@@ -435,6 +370,17 @@ class TextTokenizer:
                                  [short[i].left * CUT_CHARS_PER_TOKEN for i in rows], [bare[i][0] for i in rows],
                                  self._cut_points)
         return {i: _pair_result(encoding) for i, encoding in zip(rows, encodings)}
+
+    def _in_pieces(self, texts: list[str]) -> dict[str, np.ndarray]:
+        """Each text's ids without special tokens, its pieces tokenized in parallel."""
+        piece_chars = max(MIN_PIECE_CHARS, sum(map(len, texts)) // CORES)
+        pieces = [(text, piece) for text in texts for piece in _pieces(text, piece_chars)]
+        parts: dict[str, list[list[int]]] = {text: [] for text in texts}
+        encodings = self._bare_pieces.encode_batch_fast([piece for _, piece in pieces], add_special_tokens=False)
+        for (text, _), encoding in zip(pieces, encodings):
+            parts[text].append(encoding.ids)
+        return {text: np.asarray(list(itertools.chain.from_iterable(part)), dtype=np.int32)
+                for text, part in parts.items()}
 
     def _segments(self, kind: str, *sequences: Sequence[int]) -> list[np.ndarray]:
         """The `kind` template's ("single" or "pair") parts, the sequences' ids in place of A (and B)."""
@@ -631,32 +577,12 @@ def _any_of(strings: list[str]) -> re.Pattern | None:
     return re.compile("|".join(map(re.escape, strings))) if strings else None
 
 
-def _split(texts: list[str], parts: int) -> tuple[list[str], list[str]]:
-    """The texts in about `parts` pieces in all, each text's share of them by its length and none of
-    fewer than MIN_PIECE_CHARS characters unless the text is; each piece's text, and the pieces."""
-    total = sum(map(len, texts)) or 1
-    owners, pieces = [], []
-    for text in texts:
-        for piece in _even_pieces(text, max(1, min(len(text) // MIN_PIECE_CHARS, round(parts * len(text) / total)))):
-            owners.append(text)
-            pieces.append(piece)
-    return owners, pieces
-
-
-def _even_pieces(text: str, parts: int) -> Iterator[str]:
-    """The text in up to `parts` pieces of about equal length, split at suitable spaces (see _cut)."""
+def _pieces(text: str, chars: int) -> Iterator[str]:
+    """The text in pieces of at most `chars` characters, split at suitable spaces (see _cut)."""
     while text:
-        piece = _cut(text, -(-len(text) // parts)) if parts > 1 else text
+        piece = _cut(text, chars)
         yield piece
-        text, parts = text[len(piece):], parts - 1
-
-
-def _joined(owners: list[str], piece_ids: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
-    """Each text's ids, its pieces' ids back to back (owners: the text of each piece, as _split gives)."""
-    parts: dict[str, list[Sequence[int]]] = {text: [] for text in owners}
-    for text, ids in zip(owners, piece_ids, strict=True):
-        parts[text].append(ids)
-    return {text: np.asarray(list(itertools.chain.from_iterable(part)), dtype=np.int32) for text, part in parts.items()}
+        text = text[len(piece):]
 
 
 def _cut(text: str, limit: int, points: re.Pattern | None = None) -> str:

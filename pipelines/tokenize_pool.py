@@ -11,8 +11,8 @@ multiprocessing's spawn would import the parent's main module first (torch, for 
 its executor waits at shutdown for workers still starting; a fork could inherit locks held by the
 parent's other threads. Chunks go down a worker's stdin and come back in order through a pipe of
 their own, each pickled behind its length: ids (and pairs' token types) as the bytes of flat int32
-arrays with the lengths, a few buffers rather than a thousand objects. A worker that has answered polls for its next
-chunk a while (SPIN_SECONDS) before it blocks, so a burst of chunks finds it awake. Answers are read
+arrays with the lengths, a few buffers rather than a thousand objects. A worker that has answered
+polls for its next chunk a while (SPIN_SECONDS) before it blocks, so a burst of chunks finds it awake. Answers are read
 by a thread per worker, or, in a pool made with pulled=True, by the thread that waits for them, which
 polls for them as long where the workers leave it a core. A worker loads its own tokenizer, which
 takes a few tenths of a second; until every worker has, chunks go to two threads of this process, so
@@ -66,12 +66,11 @@ MIN_ROWS = 20_000
 SPIN_SECONDS = 0.02
 _LENGTH_BYTES = 8  # the length in front of each chunk, little-endian
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the folder holding pipelines/ and engine/
-# What goes down to a worker: its kind ("texts", "pairs" or "pieces", see TokenizerPool) and texts, or
-# for pairs their first texts with their second texts.
-Chunk = tuple[str, list[str], list[str] | None]
+# What goes down to a worker: texts, or the first texts of pairs with their second texts.
+Chunk = tuple[list[str], list[str] | None]
 # What comes back, as the bytes of arrays: int32 ids back to back, each text's int64 length, whether
 # each was truncated (bool), and for pairs int32 token types back to back. Bytes rather than the arrays
-# themselves: unpickling an answer of one piece and splitting it took 18 us on a 2-core box, these 2.
+# themselves: unpickling an answer of one text and splitting it took 18 us on a 2-core box, these 2.8.
 Packed = tuple[bytes, bytes, bytes, bytes | None]
 
 
@@ -94,8 +93,7 @@ def check_processes(processes: int | None) -> None:
 
 class TokenizerPool:
     """submit(texts) is a future of tokenizer.encode(texts), submit_pairs(firsts, seconds) one of
-    tokenizer.encode_pairs(firsts, seconds), submit_pieces(pieces) one of tokenizer.encode_pieces(pieces);
-    callers keep the futures in their order.
+    tokenizer.encode_pairs(firsts, seconds); callers keep the futures in their order.
 
     With processes=0 every chunk runs on this process's threads; so does every chunk after a worker
     has died (a server keeps serving; the chunks that worker held fail with a UserError). Use it as
@@ -143,13 +141,10 @@ class TokenizerPool:
         return 2 * self.processes if self.in_workers else THREADS
 
     def submit(self, texts: Sequence[str]) -> Future[Encoded]:
-        return self._submit("texts", texts)
+        return self._submit(texts, None)
 
     def submit_pairs(self, firsts: Sequence[str], seconds: Sequence[str]) -> Future[Encoded]:
-        return self._submit("pairs", firsts, seconds)
-
-    def submit_pieces(self, pieces: Sequence[str]) -> Future[Encoded]:
-        return self._submit("pieces", pieces)
+        return self._submit(firsts, seconds)
 
     def submit_spread(self, texts: Sequence[str], smallest: int,
                       seconds: Sequence[str] | None = None) -> list[Future[Encoded]]:
@@ -158,17 +153,18 @@ class TokenizerPool:
         worker side by side; their futures, in the texts' order."""
         chunks = max(1, min(len(self._workers) or THREADS, len(texts) // smallest))
         bounds = [len(texts) * chunk // chunks for chunk in range(chunks + 1)]
-        return [self._submit("texts", texts[start:end]) if seconds is None
-                else self._submit("pairs", texts[start:end], seconds[start:end])
+        return [self._submit(texts[start:end], None if seconds is None else seconds[start:end])
                 for start, end in zip(bounds[:-1], bounds[1:])]
 
-    def _submit(self, kind: str, texts: Sequence[str], seconds: Sequence[str] | None = None) -> Future[Encoded]:
-        """A chunk of `kind` (see Chunk) to the least busy worker, or to a thread."""
+    def _submit(self, texts: Sequence[str], seconds: Sequence[str] | None) -> Future[Encoded]:
+        """A chunk of texts, or of pairs (texts[i], seconds[i]), to the least busy worker, or to a thread."""
         if self._closed:
             raise RuntimeError("the tokenizer pool is closed")
         if not self.in_workers:
-            return self._threads.submit(_encode_chunk, self.tokenizer, (kind, texts, seconds))
-        chunk = (kind, list(texts), None if seconds is None else list(seconds))
+            if seconds is None:
+                return self._threads.submit(self.tokenizer.encode, texts)
+            return self._threads.submit(self.tokenizer.encode_pairs, texts, seconds)
+        chunk = (list(texts), None if seconds is None else list(seconds))
         return min(self._workers, key=lambda worker: len(worker.pending)).submit(chunk)
 
     def close(self) -> None:
@@ -408,15 +404,9 @@ def _split(flat: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:
     return np.split(flat, np.cumsum(sizes)[:-1])
 
 
-def _encode_chunk(tokenizer: TextTokenizer, chunk: Chunk) -> Encoded:
-    kind, texts, seconds = chunk
-    if kind == "pairs":
-        return tokenizer.encode_pairs(texts, seconds)
-    return tokenizer.encode_pieces(texts) if kind == "pieces" else tokenizer.encode(texts)
-
-
 def _encode(tokenizer: TextTokenizer, chunk: Chunk) -> Packed:
-    encoded = _encode_chunk(tokenizer, chunk)
+    texts, seconds = chunk
+    encoded = tokenizer.encode(texts) if seconds is None else tokenizer.encode_pairs(texts, seconds)
     lengths = np.fromiter(map(len, encoded.ids), np.int64, len(encoded.ids))
     types = None if encoded.type_ids is None else _flat(encoded.type_ids)
     return _flat(encoded.ids), lengths.tobytes(), np.asarray(encoded.truncated, dtype=bool).tobytes(), types

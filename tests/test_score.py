@@ -499,16 +499,13 @@ def test_pairs_gather_into_one_step_while_the_device_has_steps_queued(cross_enco
     assert cpu.step_pairs == [2, 2, 2, 2, 2]
 
 
-# 15 pairs: the ASCII documents of pairs 3, 6, 9 and 12 in a piece each (two workers, but a document
-# is never split below MIN_PIECE_CHARS), the ten others' non-ASCII pairs in one chunk of whole pairs.
-@pytest.mark.parametrize(("pairs", "submitted"), [(20, [("pairs", 2)] * 4 + [("pairs", 4), ("pairs", 8)]),
-                                                  (15, [("pieces", 1)] * 4 + [("pairs", 10)]), (1, [])])
+@pytest.mark.parametrize(("pairs", "submitted"), [(20, [2, 2, 2, 2, 4, 8]), (15, [1] * 14), (1, [])])
 def test_pairs_tokenized_in_worker_processes_score_as_in_this_one(cross_encoder: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                  pairs: int, submitted: list[tuple[str, int]]) -> None:
+                                                                  pairs: int, submitted: list[int]) -> None:
     """With a pool's workers running and at least POOL_MIN_PAIRS pairs, every group goes to them up
-    front, two per worker in small groups first; of fewer, the workers take the documents in pieces
-    and the pairs that pieces cannot make whole, but the first pair, which is tokenized here; a lone
-    pair stays here. The scores are the ones tokenizing here gives, long and non-ASCII documents included."""
+    front, two per worker in small groups first; fewer go to them a pair each but the first, which is
+    tokenized here, and a lone pair stays here. The scores are the ones tokenizing here gives, long
+    and non-ASCII documents included."""
     assert score.POOL_MIN_PAIRS == 16
     reranker = embedctl.load(str(cross_encoder), device="cpu")
     firsts = ["a question"] * pairs
@@ -516,10 +513,9 @@ def test_pairs_tokenized_in_worker_processes_score_as_in_this_one(cross_encoder:
     here = pair_scores(reranker.engine, reranker.tokenizer, firsts, seconds)
     with TokenizerPool(reranker.tokenizer, processes=2, pulled=True) as pool:  # as run_score makes it
         pool.wait_for_workers()
-        sizes: list[tuple[str, int]] = []
-        submit_pairs, submit_pieces = pool.submit_pairs, pool.submit_pieces
-        monkeypatch.setattr(pool, "submit_pairs", lambda a, b: sizes.append(("pairs", len(a))) or submit_pairs(a, b))
-        monkeypatch.setattr(pool, "submit_pieces", lambda a: sizes.append(("pieces", len(a))) or submit_pieces(a))
+        sizes: list[int] = []
+        submit_pairs = pool.submit_pairs
+        monkeypatch.setattr(pool, "submit_pairs", lambda a, b: sizes.append(len(a)) or submit_pairs(a, b))
         scored: list[int] = []
 
         in_workers = pair_scores(reranker.engine, reranker.tokenizer, firsts, seconds, scored.append, pool)

@@ -422,41 +422,6 @@ def test_pairs_put_together_from_pieces_give_the_whole_pairs_tokens(tokenizers_d
         assert len(pairs) // 6 <= encoded_whole <= len(pairs) * 3 // 4
 
 
-@pytest.mark.parametrize("kind", ["wordpiece", "wordpiece-library", "wordpiece-bert-processing", "bpe", "qwen",
-                                  "bpe-whole", "unigram"])
-@pytest.mark.parametrize("parts", [1, 4, 10_000])
-def test_pairs_planned_in_pieces_and_assembled_give_the_whole_pairs_tokens(tokenizers_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                          kind: str, parts: int) -> None:
-    """pair_pieces here, each piece through encode_pieces alone and the whole pairs through encode_pairs
-    in a tokenizer of their own (as worker processes take them, splitting words where they can), then
-    assemble_pairs here: the whole pairs' tokens, for one piece per document, a few, and (pieces of at
-    least 7 characters) nearly one per word."""
-    monkeypatch.setattr(tokenize, "MIN_PIECE_CHARS", 7)
-    path = tokenizer_path(kind, tokenizers_dir)
-    max_length = 128
-    docs = corpus_texts()[:40] + awkward_texts(max_length)
-    queries = ["how to read a file", "Which CLASS\treads tokens?", "x", "[CLS] as text", docs[-1][:900]] * len(docs)
-    firsts, seconds = queries[:len(docs) * 2], docs * 2
-    expected = whole_tokenizer(path, max_length).encode_batch_fast([(a.strip(), b.strip()) for a, b in zip(firsts, seconds)])
-    here, worker = TextTokenizer(path, max_length, by_words=by_words(kind)), TextTokenizer(path, max_length)
-
-    planned = here.pair_pieces(firsts, seconds, parts)
-    piece_ids = [worker.encode_pieces([piece]).ids[0] for piece in planned.pieces]
-    whole = worker.encode_pairs([firsts[i] for i in planned.whole], [seconds[i] for i in planned.whole])
-    encoded = here.assemble_pairs(planned, piece_ids, whole)
-
-    assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
-    assert [types.tolist() for types in encoded.type_ids] == [e.type_ids for e in expected]
-    assert encoded.truncated == [bool(e.overflowing) for e in expected]
-    if kind == "bpe-whole":  # merges across spaces: no document may be split
-        assert not planned.pieces and len(planned.whole) == len(firsts)
-    else:
-        # Long queries, [CLS] as text and (WordPiece's normalizer) non-ASCII pairs are whole pairs.
-        documents = len(set(planned.cuts.values()))
-        assert len(planned.short) >= len(firsts) // 4 and planned.whole and documents >= len(docs) // 4
-        assert len(planned.pieces) == documents if parts <= documents else len(planned.pieces) > documents
-
-
 def by_words(kind: str) -> bool:
     """Whether a test tokenizer of this kind splits texts into words (pipelines/wordpiece.py): the
     "-library" kinds are BERT-style ones that go through the library instead, as the index's threads do."""

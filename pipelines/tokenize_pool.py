@@ -12,12 +12,12 @@ its executor waits at shutdown for workers still starting; a fork could inherit 
 parent's other threads. Chunks go down a worker's stdin and come back in order through a pipe of
 their own, each pickled behind its length: ids (and pairs' token types) as the bytes of flat int32
 arrays with the lengths, a few buffers rather than a thousand objects. A worker that has answered
-polls for its next chunk a while (SPIN_SECONDS) before it blocks, so a burst of chunks finds it awake. Answers are read
-by a thread per worker, or, in a pool made with pulled=True, by the thread that waits for them, which
-polls for them as long where the workers leave it a core. A worker loads its own tokenizer, which
-takes a few tenths of a second; until every worker has, chunks go to two threads of this process, so
-a short run does not wait for them. Ctrl-C reaches the parent only; closing the pool kills the
-workers, which hold nothing worth waiting for.
+polls for its next chunk a while (SPIN_SECONDS) before it blocks, so a burst of chunks finds it
+awake. Answers are read by a thread per worker, or, in a pool made with pulled=True, by the thread
+that waits for them, which polls for them as long where the workers leave it a core. A worker loads
+its own tokenizer, which takes a few tenths of a second; until every worker has, chunks go to two
+threads of this process, so a short run does not wait for them. Ctrl-C reaches the parent only;
+closing the pool kills the workers, which hold nothing worth waiting for.
 
 Not here: the tokenization rules (pipelines.tokenize).
 """

@@ -171,10 +171,11 @@ class GraphRunner:
 
         The lane's stream is made current, and the caller's made current again after, by the two
         calls torch.cuda.stream's context makes underneath: the context also builds Stream and device
-        objects, 19 us of host time a step on the H200 host against 0.4, and a batch-1 request waits
-        for all of it. With views of the staging buffers kept per shape (_stage), MiniLM's steps of
-        one 16-token query took 266 us against 315, BERT-base's of five 512-token pairs 1,427 against
-        1,470 (bench/results/gpu-2026-12-01-run110-step-host).
+        objects, 19 us of host time a step on the H200 host against 0.4. With views of the staging
+        buffers kept per shape (_stage), back-to-back steps of one 16-token MiniLM query took 266 us
+        against 315, of five 512-token BERT-base pairs 1,427 against 1,470 (bench/results/
+        gpu-2026-12-01-run110-step-host); with the device drained after each step, batch-1 latency
+        did not move (run111): what the step saves is host time of the thread that feeds the device.
         """
         lane = self._free_lane()
         lane.batches += 1

@@ -111,9 +111,10 @@ class _Graph:
 
 @dataclass(frozen=True)
 class _StagingViews:
-    """A batch shape's inputs in one staging buffer, on the device, and its cu_seqlens there."""
+    """Views of a batch shape's inputs: in one of a lane's page-locked staging buffers, in its device
+    buffer, and of the cu_seqlens in the device buffer."""
 
-    host: torch.Tensor
+    staging: torch.Tensor
     device: torch.Tensor
     cu_seqlens: torch.Tensor
 
@@ -169,10 +170,11 @@ class GraphRunner:
         allocator, valid until the lane's next run, so read must enqueue its copy on that stream, as
         the readback ring does.
 
-        The lane's stream is made current, and the caller's made current again after, by the two
-        calls torch.cuda.stream's context makes underneath: the context also builds Stream and device
-        objects, 19 us of host time a step on the H200 host against 0.4. With views of the staging
-        buffers kept per shape (_stage), back-to-back steps of one 16-token MiniLM query took 266 us
+        The lane's stream is made current, and the caller's stream and device current again after,
+        by the private calls under torch.cuda.stream's context (torch.cuda.current_stream and
+        set_stream make them too): the context also builds Stream and device objects, 19 us of host
+        time a step on the H200 host against 0.4 for a get and a set. With that and the staging views
+        kept per graph shape (_stage), back-to-back steps of one 16-token MiniLM query took 266 us
         against 315, of five 512-token BERT-base pairs 1,427 against 1,470 (bench/results/
         gpu-2026-12-01-run110-step-host); with the device drained after each step, batch-1 latency
         did not move (run111): what the step saves is host time of the thread that feeds the device.
@@ -180,13 +182,16 @@ class GraphRunner:
         lane = self._free_lane()
         lane.batches += 1
         stream = lane.stream
-        caller = torch._C._cuda_getCurrentStream(stream.device_index)
-        torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
-                                 device_type=stream.device_type)
+        caller_device = torch._C._cuda_getDevice()
+        caller_stream = torch._C._cuda_getCurrentStream(stream.device_index)
+        # Setting a stream also makes its device current.
+        torch._C._cuda_setStream(stream.stream_id, stream.device_index, stream.device_type)
         try:
             result = read(self._run(lane, batch)[: batch.num_seqs], stream)
         finally:
-            torch._C._cuda_setStream(*caller)
+            torch._C._cuda_setStream(*caller_stream)
+            if caller_device != stream.device_index:
+                torch._C._cuda_setDevice(caller_device)
         lane.done.record(stream)
         return result
 
@@ -210,7 +215,7 @@ class GraphRunner:
         graph = self._graph(lane, shape)
         if self.hits[shape] == 1:
             return self._eager(lane, batch)
-        graph.attention.plan(self._stage(lane, batch, *shape))
+        graph.attention.plan(self._stage(lane, batch, *shape, keep_views=True))
         if graph.graph is None:
             self._capture(lane, shape, graph)
         else:
@@ -239,7 +244,7 @@ class GraphRunner:
             with torch.cuda.stream(lane.stream):
                 graph = self._graph(lane, shape)
                 if graph.graph is None:
-                    graph.attention.plan(self._stage(lane, dummy, *shape))
+                    graph.attention.plan(self._stage(lane, dummy, *shape, keep_views=True))
                     self._capture(lane, shape, graph)
 
     def _graph(self, lane: _Lane, shape: tuple[int, int, int]) -> _Graph:
@@ -247,8 +252,13 @@ class GraphRunner:
             lane.graphs[shape] = _Graph(self.make_attention(shape[1], lane.index))
         return lane.graphs[shape]
 
-    def _stage(self, lane: _Lane, batch: PackedBatch, tokens: int, slots: int, max_seqlen: int) -> AttentionLayout:
-        """Copy the batch's inputs to the lane's device buffer; return the attention layout that reads them."""
+    def _stage(self, lane: _Lane, batch: PackedBatch, tokens: int, slots: int, max_seqlen: int,
+               keep_views: bool = False) -> AttentionLayout:
+        """Copy the batch's inputs to the lane's device buffer; return the attention layout that reads them.
+
+        keep_views: keep the views of the buffers that this shape needs for the next batch of it; for a
+        graph's shape, of which there are a bounded few, not an eager batch's exact one. Slicing a
+        tensor costs microseconds of host time, which a batch-1 step waits for."""
         lane.turn ^= 1
         staged = lane.staged[lane.turn]
         # The copy issued from this buffer two batches ago must be done before it is rewritten.
@@ -256,11 +266,13 @@ class GraphRunner:
         size = 4 * tokens + slots + 1
         host = lane.staging_host[lane.turn]
         batch.write_inputs(host, tokens, slots)
-        views = lane.views.get((lane.turn, tokens, slots))
-        if views is None:  # slicing a tensor costs microseconds of host time, which a batch-1 step waits for
-            views = lane.views[lane.turn, tokens, slots] = _StagingViews(
-                lane.staging[lane.turn][:size], lane.inputs[:size], lane.inputs[4 * tokens: size])
-        views.device.copy_(views.host, non_blocking=True)
+        key = (lane.turn, tokens, slots)
+        views = lane.views.get(key)
+        if views is None:
+            views = _StagingViews(lane.staging[lane.turn][:size], lane.inputs[:size], lane.inputs[4 * tokens: size])
+            if keep_views:
+                lane.views[key] = views
+        views.device.copy_(views.staging, non_blocking=True)
         staged.record(lane.stream)
         return AttentionLayout(views.cu_seqlens, host[4 * tokens: size].tolist(), max_seqlen, tokens)
 

@@ -119,6 +119,28 @@ def test_warmup_captures_every_bucket(minilm_dir, texts) -> None:
     assert model.engine.stats.eager_runs == 0 and model.engine.stats.replays > 0
 
 
+def test_a_step_leaves_the_callers_stream_current_whether_it_ends_or_fails(minilm_dir, texts) -> None:
+    """A lane's stream is current only while a step enqueues its work (eager, capture and replay),
+    also when reading its result back fails."""
+    model = embedctl.load(str(minilm_dir))
+    batch = PackedBatch.of(model.tokenizer.encode(texts[:3]).ids)
+    runner, caller = model.engine.runner, torch.cuda.Stream()
+
+    def failing_read(vectors: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        assert torch.cuda.current_stream() == stream != caller
+        raise RuntimeError("read failed")
+
+    with torch.cuda.stream(caller):
+        for _ in range(3):
+            model.engine.step(batch).result()
+            assert torch.cuda.current_stream() == caller
+        with pytest.raises(RuntimeError, match="read failed"):
+            runner.run(batch, failing_read)
+        assert torch.cuda.current_stream() == caller
+    assert model.engine.stats.eager_runs == 1 and model.engine.stats.captures == 1 and model.engine.stats.replays == 2
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
 def _random_qkv(layout_lengths: list[int], heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
     tokens = sum(layout_lengths)
     return tuple(torch.randn(tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -58,9 +58,9 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence, Sized
+from collections.abc import Awaitable, Callable, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar, Union
@@ -527,6 +527,13 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
         pass
 
 
+def _refusal(error: QueueFull | SchedulerClosed) -> ApiError:
+    """The scheduler's refusal as the API's: 429 for a full queue, 503 while shutting down."""
+    if isinstance(error, QueueFull):
+        return ApiError(429, f"the server is busy: {error}; retry after {RETRY_AFTER_SECONDS} s", headers=RETRY_AFTER)
+    return ApiError(503, "the server is shutting down; retry against another instance", headers=RETRY_AFTER)
+
+
 class _Service:
     """What the endpoints share: the engine, the tokenizer pool, the scheduler, the metrics."""
 
@@ -709,8 +716,10 @@ class _Service:
                              else self.tokenize(self.tokenizer.encode_pairs, texts, seconds))
             check(encoded, 0)
             return await self.rows(self.submit(encoded)), _token_count(encoded)
-        with self._admission():
+        try:
             self.scheduler.check_room(len(texts))
+        except (QueueFull, SchedulerClosed) as error:
+            raise _refusal(error) from None
         parts = [asyncio.wrap_future(part) for part in self.workers.submit_spread(texts, WORKER_TEXTS // 2, seconds)]
         queued: list[asyncio.Future] = []
         first = tokens = 0
@@ -792,21 +801,11 @@ class _Service:
     def submit(self, encoded: Encoded) -> asyncio.Future:
         """Queue the sequences for the engine; the future settles on the loop with their rows, or the error."""
         future = self.wakeups.loop.create_future()
-        with self._admission():
-            self.scheduler.submit(encoded.ids, lambda outcome: self.wakeups.settle(future, outcome), encoded.type_ids)
-        return future
-
-    @staticmethod
-    @contextmanager
-    def _admission() -> Iterator[None]:
-        """The scheduler's refusals as the API's: 429 for a full queue, 503 while shutting down."""
         try:
-            yield
-        except QueueFull as error:
-            raise ApiError(429, f"the server is busy: {error}; retry after {RETRY_AFTER_SECONDS} s",
-                           headers=RETRY_AFTER) from None
-        except SchedulerClosed:
-            raise ApiError(503, "the server is shutting down; retry against another instance", headers=RETRY_AFTER) from None
+            self.scheduler.submit(encoded.ids, lambda outcome: self.wakeups.settle(future, outcome), encoded.type_ids)
+        except (QueueFull, SchedulerClosed) as error:
+            raise _refusal(error) from None
+        return future
 
     @staticmethod
     async def rows(future: asyncio.Future) -> np.ndarray:

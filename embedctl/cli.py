@@ -90,7 +90,7 @@ MaxSeqsOpt = Annotated[int, typer.Option(help="Sequences per engine step.")]
 LanesOpt = Annotated[int, typer.Option(help="CUDA streams that batches in flight run on at once (GPU only).")]
 MaxLengthOpt = Annotated[Optional[int], typer.Option(help="Truncate at this many tokens, at most the model's positions (default: the model's max length).")]
 DimOpt = Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka), re-normalised when normalising.")]
-AttentionOpt = Annotated[str, typer.Option(help="auto, sdpa, varlen or flashinfer.")]
+AttentionOpt = Annotated[str, typer.Option(help="auto, sdpa, varlen, flashinfer or triton.")]
 EagerOpt = Annotated[bool, typer.Option(help="Run without CUDA graphs.")]
 CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help="Fused kernels on a GPU (norms via torch.compile, GELU in the GEMM epilogue, Qwen3's Triton and FlashInfer steps); --no-compile runs plain torch ops.")]
 

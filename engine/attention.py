@@ -1,4 +1,4 @@
-"""Ragged attention over packed sequences: one call, three backends.
+"""Ragged attention over packed sequences: one call, four backends.
 
 Every backend computes softmax(q k^T / sqrt(d)) v inside each sequence of a packed batch (cu_seqlens
 gives the boundaries), with no padding and no KV cache; bidirectional (encoders, pplx-embed) or causal
@@ -10,11 +10,14 @@ q heads (grouped-query attention: each k/v head serves heads // kv_heads consecu
   any head_dim, graph-capturable once max_seqlen is fixed per bucket.
 - "flashinfer": FlashInfer's ragged prefill (fa3 on Hopper). head_dim 64/128/256 only; needs a host
   side plan() per batch, which the engine runs before launching or replaying the batch.
+- "triton": engine.triton_kernels.ragged_attention, our own kernel. CUDA only, head_dim 32, 64 or
+  128, graph-capturable as varlen is.
 choose_backend() picks one per model; the rule and the measurements behind it are written there.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,6 +29,7 @@ from engine.config import GPU_ATTENTION
 from engine.errors import UserError
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
+TRITON_HEAD_DIMS = (32, 64, 128)  # those measured and tested on the H200
 
 
 class Attention(Protocol):
@@ -91,6 +95,18 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> to
     return out[0].transpose(0, 1)
 
 
+class OneQueryEach:
+    """Query offsets 0, 1, ..., slots on the device: one query row per sequence slot, for pooled()."""
+
+    def __init__(self) -> None:
+        self.offsets: dict[int, torch.Tensor] = {}
+
+    def __call__(self, slots: int, device: torch.device) -> torch.Tensor:
+        if slots not in self.offsets:  # once per slot count; a graph's before its capture
+            self.offsets[slots] = torch.arange(slots + 1, dtype=torch.int32, device=device)
+        return self.offsets[slots]
+
+
 class VarlenAttention:
     """PyTorch's FlashAttention-2 varlen kernel; reads cu_seqlens from device memory, so it replays."""
 
@@ -103,7 +119,7 @@ class VarlenAttention:
         # their heads repeated instead.
         self.native_gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
         self.layout: AttentionLayout | None = None
-        self.one_query_each: dict[int, torch.Tensor] = {}  # slots -> query offsets 0, 1, ..., slots
+        self.one_query_each = OneQueryEach()
 
     def plan(self, layout: AttentionLayout) -> None:
         self.layout = layout
@@ -115,11 +131,9 @@ class VarlenAttention:
                                 layout.max_seqlen, window_size=self.window, **options)
 
     def pooled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        layout, slots = self.layout, q.shape[0]
-        if slots not in self.one_query_each:  # once per slot count; a graph's before its capture
-            self.one_query_each[slots] = torch.arange(slots + 1, dtype=torch.int32, device=q.device)
+        layout = self.layout
         k, v, options = self._grouped(q, k, v)
-        return self.varlen_attn(q, k, v, self.one_query_each[slots], layout.cu_seqlens, 1, layout.max_seqlen,
+        return self.varlen_attn(q, k, v, self.one_query_each(q.shape[0], q.device), layout.cu_seqlens, 1, layout.max_seqlen,
                                 window_size=(-1, -1), **options)
 
     def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -129,6 +143,32 @@ class VarlenAttention:
         if self.native_gqa:
             return k, v, {"enable_gqa": True}
         return (*(t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v)), {})
+
+
+class TritonAttention:
+    """engine.triton_kernels.ragged_attention: one program per sequence, head and block of query rows,
+    reading cu_seqlens from device memory (so it replays), launching blocks for max_seqlen rows per
+    sequence as varlen does (engine.graphs buckets it)."""
+
+    def __init__(self, causal: bool = False) -> None:
+        from engine.triton_kernels import ragged_attention, tiles_for
+
+        self.ragged_attention, self.tiles_for = ragged_attention, tiles_for
+        self.causal = causal
+        self.layout: AttentionLayout | None = None
+        self.one_query_each = OneQueryEach()
+
+    def plan(self, layout: AttentionLayout) -> None:
+        self.layout = layout
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        layout = self.layout
+        return self.ragged_attention(q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.max_seqlen, self.causal,
+                                     self.tiles_for(q.shape[-1], layout.max_seqlen, len(layout.cu_seqlens_host) - 1))
+
+    def pooled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.ragged_attention(q, k, v, self.one_query_each(q.shape[0], q.device), self.layout.cu_seqlens, 1,
+                                     False, self.tiles_for(q.shape[-1], 1, q.shape[0]))
 
 
 class FlashInferAttention:
@@ -232,23 +272,32 @@ def flashinfer_available() -> bool:
     return True
 
 
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
     """The backend name for a model, from the user's request and what this machine can run.
 
     On the CPU only sdpa exists. On a GPU, "auto" takes FlashInfer where its kernels cover the
-    head_dim (64/128/256) and it is installed, and varlen_attn otherwise (MiniLM's head_dim 32,
-    machines without flashinfer). The evidence, per kernel on the H200 inside CUDA graphs
-    (bench/results/gpu-2026-11-30-run10-kernels): BERT-base's 12 x 64 heads, 32 x 512 tokens,
-    FlashInfer fa3 0.079 ms against varlen 0.107, and 128 x 128 tokens 0.046 against 0.051; Qwen3's
-    causal 16 x 128 heads with 8 k/v heads, one 4,096-token sequence, 0.137 against 0.364 (503 against
-    189 TFLOP/s), and 0.011 against 0.033 at 512. FlashInfer cannot run head_dim 32; padding MiniLM's
-    heads to 64 for it cost more than varlen's whole kernel (0.157 against 0.056 ms at 64 x 256).
-    End to end, Qwen3-0.6B ran 449k tok/s with FlashInfer against 376k with varlen (run7). Small
-    steps pay plan() each time their layout changes; the cross-encoder, whose pairs mostly fill
-    max_length and so repeat a layout, ranked 5 / 25 / 50 pairs in 3.85 / 9.12 / 16.50 ms with
-    FlashInfer against 4.61 / 11.02 / 19.71 with varlen (run16, run15: the same code). BERT-base's
-    batch-1 step at 16 tokens took 0.49 ms with FlashInfer once a repeated query reused its plan
-    (0.61 before, run14). Pass --attention to override.
+    head_dim (64/128/256) and it is installed, our Triton kernel for head_dim 32 (MiniLM's) and for
+    64 and 128 where FlashInfer is not installed, and varlen_attn for the rest. The evidence,
+    on the H200 (bench/results/gpu-2026-12-01-run114-triton-attention to run117; kernels inside
+    CUDA graphs):
+    - head_dim 32 (MiniLM, 12 heads): Triton 36 us against varlen's 55 at 64 x 256 tokens, 25 / 41
+      at 128 x 128, 62 / 85 at 32 x 512, 2.4 / 5.8 for one 16-token query. MiniLM on the corpus,
+      model-only, 13.5M tok/s against 11.6M; batch 1 at 16 tokens 0.259 ms against 0.288 (run116).
+    - head_dim 64 (BERT-base): FlashInfer's fa3 is faster at full batches (80 us against 94 at
+      32 x 512; BERT-base model-only 2.58M tok/s against 2.45M, run115), which is what index runs.
+      Triton is faster for a few sequences: 2.5 us against 5.9 for one 16-token query, 15 against
+      20 at 5 x 512; BERT-base batch 1 at 16 / 128 / 512 tokens 0.450 / 0.480 / 0.581 ms against
+      0.604 / 0.626 / 0.730 (run117), so `--attention triton` suits a server of single queries. The
+      cross-encoder's 5 / 25 / 50 pairs: 2.11 / 6.90 / 11.78 ms against 2.01 / 6.60 / 11.28 (run117),
+      and 2.42, 2.46 against 2.56, 2.66 for 5 pairs alternating (run115): no clear winner, so the
+      rule stays per head_dim.
+    - head_dim 128 causal (Qwen3-0.6B, 16 heads, 8 k/v heads): fa3 139 us at one 4,096-token
+      sequence (494 TFLOP/s), Triton 222, varlen 375; at 512 tokens 11.0 / 11.6 / 33.4.
+    FlashInfer cannot run head_dim 32. Pass --attention to override.
     """
     if device.type != "cuda":
         if requested not in ("auto", "sdpa"):
@@ -260,9 +309,17 @@ def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
         if not flashinfer_available():
             raise UserError("--attention flashinfer needs the flashinfer-python package; pip install 'embedctl[gpu]'")
         return "flashinfer"
+    if requested == "triton":
+        if head_dim not in TRITON_HEAD_DIMS:
+            raise UserError(f"--attention triton runs head_dim 32, 64 or 128, not {head_dim}; use --attention varlen")
+        if not triton_available():
+            raise UserError("--attention triton needs the triton package, which CUDA builds of torch install; use --attention varlen")
+        return "triton"
     if requested == "sdpa":
         raise UserError("--attention sdpa is the CPU backend (its per-sequence loop cannot be captured in a "
                         "CUDA graph); use varlen or flashinfer on a GPU")
     if requested == "auto":
-        return "flashinfer" if head_dim in FLASHINFER_HEAD_DIMS and flashinfer_available() else "varlen"
+        if head_dim in FLASHINFER_HEAD_DIMS and flashinfer_available():
+            return "flashinfer"
+        return "triton" if head_dim in TRITON_HEAD_DIMS and triton_available() else "varlen"
     return requested

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flashinfer", "triton")
 GPU_ATTENTION = "attention backend {!r} needs a CUDA GPU; use --attention sdpa on the CPU"
 GPU_FP32 = ("--dtype fp32 runs on the CPU only: the GPU attention kernels take bf16 or fp16; "
             "pass --dtype bf16 (the default on a GPU) or --device cpu")
@@ -69,7 +69,7 @@ class EngineConfig:
         if self.max_length is not None and self.max_length < 2:
             raise UserError(f"--max-length must be at least 2 (room for the special tokens), not {self.max_length}")
         on_cpu = self.device == "cpu"
-        if on_cpu and self.attention in ("varlen", "flashinfer"):
+        if on_cpu and self.attention in ("varlen", "flashinfer", "triton"):
             raise UserError(GPU_ATTENTION.format(self.attention))
         if not on_cpu and self.device is not None and DTYPE_ALIASES.get(self.dtype, self.dtype) == "float32":
             raise UserError(GPU_FP32)

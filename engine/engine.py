@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.attention import Attention, AttentionLayout, FlashInferAttention, SdpaAttention, VarlenAttention, choose_backend
+from engine.attention import (Attention, AttentionLayout, FlashInferAttention, SdpaAttention, TritonAttention, VarlenAttention,
+                              choose_backend)
 from engine.batch import Packer, PackedBatch
 from engine.checkpoint import load_weights, position_offset, resolve_model
 from engine.config import GPU_FP32, EngineConfig
@@ -159,5 +160,7 @@ class Engine:
                                        self._flashinfer_workspaces[lane], causal=self.model.causal, slots=slots,
                                        num_kv_heads=self.model.num_kv_heads, pooled=self.prune,
                                        max_tokens=min(bucket_for(self.max_batch_tokens), GRAPH_MAX_TOKENS))
+        if self.attention == "triton":
+            return TritonAttention(causal=self.model.causal)
         return VarlenAttention(causal=self.model.causal)
 

@@ -1,4 +1,5 @@
-"""Hand-written Triton kernels, for steps that torch.compile serves poorly across every bucket.
+"""Hand-written Triton kernels, for steps that torch.compile and the libraries serve poorly at the
+engine's shapes.
 
 qk_norm_rope: Qwen3's per-head RMSNorm of q and k, then rotary embeddings, reading q and k straight
 from the fused QKV projection. Compiled once with dynamic shapes (so that every bucket shares one
@@ -8,10 +9,19 @@ compilation), Inductor's version took 0.122 ms at 4,096 tokens and 0.466 ms at 1
 in programs of up to eight heads of one token, whatever the token count: 16 us per call at 4,096
 tokens (bench/results/gpu-2026-11-30-run18-qwen3-last-layer) where reading each element twice in
 one program per token took 19 (run14); its memory traffic alone takes about 11.
+ragged_attention: softmax(q k^T / sqrt(d)) v within each sequence of a packed batch, one program per
+(sequence, head, block of query rows), looping over the sequence's keys with an online softmax
+(FlashAttention's scheme); bidirectional or causal, grouped k/v heads, separate query and key
+offsets (so one query row per sequence serves a pruned last layer). engine.attention.TritonAttention
+says where it beats the library kernels and by how much.
 GPU only: triton ships with CUDA builds of torch, and the engine imports this module only there.
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -72,3 +82,98 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
         _qk_norm_rope_kernel[grid](qkv, q, k, q_weight, k_weight, cos.contiguous(), sin.contiguous(), qkv.stride(0),
                                    eps, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_HEADS=block_heads)
     return q, k, v
+
+
+@triton.jit
+def _ragged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, q_offsets_ptr, kv_offsets_ptr,
+                             q_token_stride, q_head_stride, k_token_stride, k_head_stride,
+                             v_token_stride, v_head_stride, out_token_stride, out_head_stride, scale_log2,
+                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    seq, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(q_offsets_ptr + seq)
+    q_rows = tl.load(q_offsets_ptr + seq + 1) - q_start
+    if block * BLOCK_M >= q_rows:  # the grid covers the longest sequence; shorter ones end here
+        return
+    kv_start = tl.load(kv_offsets_ptr + seq)
+    kv_rows = tl.load(kv_offsets_ptr + seq + 1) - kv_start
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * q_token_stride + head * q_head_stride + dims[None, :],
+                mask=(rows < q_rows)[:, None], other=0.0)
+    kv_head = head // GROUP
+    k_base = k_ptr + kv_start * k_token_stride + kv_head * k_head_stride
+    v_base = v_ptr + kv_start * v_token_stride + kv_head * v_head_stride
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    end = kv_rows
+    if CAUSAL:  # a causal row sees no key past itself, so the block's keys end with its last row
+        end = tl.minimum(end, (block + 1) * BLOCK_M)
+    for first in range(0, end, BLOCK_N):
+        cols = first + tl.arange(0, BLOCK_N)
+        present = cols < kv_rows
+        k = tl.load(k_base + cols[None, :] * k_token_stride + dims[:, None], mask=present[None, :], other=0.0)
+        scores = tl.dot(q, k) * scale_log2
+        keep = present[None, :]
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= rows[:, None])
+        scores = tl.where(keep, scores, float("-inf"))
+        # Every block holds a key each row may see (its first column, or for a causal row past it
+        # an earlier block's), so the running maximum is finite from the first block on.
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        weights = tl.math.exp2(scores - new_max[:, None])
+        rescale = tl.math.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(weights, 1)
+        v = tl.load(v_base + cols[:, None] * v_token_stride + dims[None, :], mask=present[:, None], other=0.0)
+        acc = tl.dot(weights.to(v.dtype), v, acc * rescale[:, None])
+        row_max = new_max
+    # A sequence without keys (an empty slot's pooled row) gives zeros, not 0 / 0.
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + rows)[:, None] * out_token_stride + head * out_head_stride + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(rows < q_rows)[:, None])
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """A launch configuration of ragged_attention: query rows and keys per step of a program, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def tiles_for(head_dim: int, max_rows: int, slots: int) -> AttentionTiles:
+    """ragged_attention's launch configuration for a head_dim and a batch's longest run of query rows and slots.
+
+    From the configurations bench.kernels attention_triton times at each shape (bench/results/
+    gpu-2026-12-01-run114-triton-attention, run116): 64 query rows, 64 keys a step, 4 warps and 3
+    stages were best or within 3% of it at head_dim 32 (MiniLM) and 128 (Qwen3), and at head_dim 64
+    (BERT-base) for one sequence (1 x 512 tokens: 7.1 us against 10.7 with 128 rows, which leave
+    most of the GPU's 132 SMs idle). Head_dim 64 did best with 128 rows once a batch has sequences
+    to fill the GPU (32 x 512 tokens: 94 us against 101). Three stages beat two by 10-15% from 256
+    tokens on. One query row per sequence (a pruned last layer) takes 16-row tiles.
+    """
+    block_m = 16 if max_rows <= 16 else 128 if head_dim == 64 and max_rows > 64 and slots >= 8 else 64
+    return AttentionTiles(block_m, 64, 4, 3)
+
+
+def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
+                     kv_offsets: torch.Tensor, max_q_rows: int, causal: bool, tiles: AttentionTiles) -> torch.Tensor:
+    """q [Tq, heads, d], k and v [Tk, kv_heads, d] (any token stride, d contiguous); q_offsets and kv_offsets
+    int32 [slots + 1] on the device, the same tensor unless each sequence has its own query rows (then
+    bidirectional only); max_q_rows bounds each sequence's query rows. -> [Tq, heads, d], where rows
+    past q_offsets[-1] are left unwritten. head_dim 32, 64 or 128 (what has run on the H200)."""
+    tokens, heads, head_dim = q.shape
+    out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
+    slots = q_offsets.numel() - 1
+    if slots and max_q_rows:
+        grid = (slots, heads, triton.cdiv(max_q_rows, tiles.block_m))
+        _ragged_attention_kernel[grid](
+            q, k, v, out, q_offsets, kv_offsets, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), out.stride(0), out.stride(1), math.log2(math.e) / math.sqrt(head_dim),
+            GROUP=heads // k.shape[1], HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out

@@ -201,17 +201,32 @@ def test_every_possible_batch_has_a_graph_shape_for_warmup() -> None:
     assert slots_for(100, 64, 512) == 64 and slots_for(600, 16384, 512) == 512
 
 
-def test_backend_choice_follows_the_device_and_refuses_what_cannot_run() -> None:
+def test_backend_choice_follows_the_device_and_refuses_what_cannot_run(monkeypatch) -> None:
+    from engine import attention
     from engine.attention import choose_backend
 
+    cuda = torch.device("cuda")
     assert choose_backend("auto", torch.device("cpu"), 32) == "sdpa"
-    assert choose_backend("auto", torch.device("cuda"), 32) == "varlen"  # FlashInfer has no head_dim 32
+    for flashinfer, triton in [(True, True), (True, False), (False, True), (False, False)]:
+        monkeypatch.setattr(attention, "flashinfer_available", lambda: flashinfer)
+        monkeypatch.setattr(attention, "triton_available", lambda: triton)
+        fallback = "triton" if triton else "varlen"
+        assert choose_backend("auto", cuda, 32) == fallback  # FlashInfer has no head_dim 32
+        assert choose_backend("auto", cuda, 64) == ("flashinfer" if flashinfer else fallback)
+        assert choose_backend("auto", cuda, 128) == ("flashinfer" if flashinfer else fallback)
+        assert choose_backend("auto", cuda, 80) == "varlen"
+        assert choose_backend("auto", cuda, 256) == ("flashinfer" if flashinfer else "varlen")
+    monkeypatch.undo()
     with pytest.raises(UserError, match="needs a CUDA GPU"):
         choose_backend("varlen", torch.device("cpu"), 64)
     with pytest.raises(UserError, match="sdpa is the CPU backend"):
         choose_backend("sdpa", torch.device("cuda"), 64)
     with pytest.raises(UserError, match="head_dim 32"):
         choose_backend("flashinfer", torch.device("cuda"), 32)
+    with pytest.raises(UserError, match="needs a CUDA GPU"):
+        choose_backend("triton", torch.device("cpu"), 32)
+    with pytest.raises(UserError, match="runs head_dim 32, 64 or 128, not 80"):
+        choose_backend("triton", torch.device("cuda"), 80)
 
 
 def test_config_rejects_nonsense() -> None:
@@ -243,6 +258,7 @@ def test_weights_digest_is_remembered_by_path_size_and_mtime(random_bert, tmp_pa
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"device": "cpu", "attention": "flashinfer"}, "needs a CUDA GPU; use --attention sdpa on the CPU"),
+    ({"device": "cpu", "attention": "triton"}, "needs a CUDA GPU; use --attention sdpa on the CPU"),
     ({"device": "cuda", "dtype": "fp32"}, "--dtype fp32 runs on the CPU only"),
     ({"device": "cuda:1", "dtype": "float32"}, "--dtype fp32 runs on the CPU only"),
 ])

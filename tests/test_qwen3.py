@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import Engine, EngineConfig, PackedBatch, UserError
-from engine.attention import AttentionLayout, FlashInferAttention, SdpaAttention, VarlenAttention, flashinfer_available
+from engine.attention import (AttentionLayout, FlashInferAttention, SdpaAttention, TritonAttention, VarlenAttention,
+                              flashinfer_available)
 from engine.graphs import GRAPH_MAX_TOKENS, SEQLEN_FLOOR, all_shapes, bucket_for, seqlen_for
 from tests.models import TOKENIZER_FILES, minilm_path
 
@@ -309,7 +310,7 @@ def test_triton_qk_norm_rope_equals_the_torch_steps(heads: int, kv_heads: int, h
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["varlen", pytest.param("flashinfer", marks=needs_flashinfer)])
+@pytest.mark.parametrize("backend", ["varlen", "triton", pytest.param("flashinfer", marks=needs_flashinfer)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("lengths", [[4096, 17, 300, 1], [6, 511, 100, 62, 300, 1]])
 def test_gqa_attention_backends_match_exact_sdpa(backend: str, causal: bool, lengths: list[int]) -> None:
@@ -322,6 +323,8 @@ def test_gqa_attention_backends_match_exact_sdpa(backend: str, causal: bool, len
     expected = exact(q.float(), k.float(), v.float())
     if backend == "varlen":
         attention = VarlenAttention(causal=causal)
+    elif backend == "triton":
+        attention = TritonAttention(causal=causal)
     else:
         workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
         attention = FlashInferAttention(16, 128, torch.bfloat16, workspace, causal=causal, num_kv_heads=8, pooled=True)
@@ -359,7 +362,7 @@ def test_a_graph_shapes_plan_fits_its_workspace_at_the_largest_shape(lengths: li
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["varlen", pytest.param("flashinfer", marks=needs_flashinfer)])
+@pytest.mark.parametrize("backend", ["varlen", "triton", pytest.param("flashinfer", marks=needs_flashinfer)])
 @pytest.mark.parametrize(("causal", "pooling"), [(True, "last"), (False, "mean")])
 def test_qwen3_06b_shape_in_bf16_equals_transformers_fp32(qwen3_06b: Path, backend: str, causal: bool,
                                                           pooling: str) -> None:

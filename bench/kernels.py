@@ -7,6 +7,8 @@ and cosine next to its time, so a fast but wrong kernel shows):
   attention_hd32/_hd64   MiniLM / BERT-base attention: varlen_attn, FlashInfer (head_dim 32 padded to
                          64), dense SDPA per forced backend, compiled flex_attention (hd32 only)
   attention_causal_long  Qwen3-0.6B causal GQA attention at 4,096 / 512 / 128 tokens, with TFLOP/s
+  attention_triton       engine.triton_kernels.ragged_attention per tile config against varlen_attn,
+                         FlashInfer and dense SDPA, at MiniLM's, BERT-base's and Qwen3's shapes
   qwen3_gemms            Qwen3-0.6B's four GEMMs per layer at 128 to 16,384 tokens, with TFLOP/s
   qwen3_elementwise      Qwen3's SwiGLU and q/k norm + rotary: compiled as the engine does, static, eager, FlashInfer
   qwen3_residual         Qwen3's output GEMMs with the residual added by the GEMM (addmm_) then RMSNorm,
@@ -20,6 +22,8 @@ and cosine next to its time, so a fast but wrong kernel shows):
   layer_breakdown        the engine (random weights) on one replayed step: GPU time, time the GPU sat
                          idle inside the step, top kernels (encoder_breakdown: MiniLM and BERT-base only;
                          qwen3_breakdown: Qwen3-0.6B with the auto backend, FlashInfer where installed)
+  triton_breakdown       layer_breakdown of MiniLM and BERT-base with the library attention and with triton,
+                         also at 5 x 512 tokens (the cross-encoder's five pairs)
   big_batches            MiniLM and BERT-base tokens/s through Engine.step at 16k / 32k / 64k tokens
 A time is the median of --repeats loops of K calls (K so that a loop takes about 2 ms) timed with
 CUDA events, divided by K: `ms` launches the calls from Python (host overhead shows where the host is
@@ -271,14 +275,27 @@ def build_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: int) -> 
     return lambda: flex(qf, kf, vf, block_mask=mask)[0].transpose(0, 1)
 
 
+def build_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_seqlen: int,
+                 causal: bool, tiles: object) -> Call:
+    from engine.triton_kernels import ragged_attention
+
+    return lambda: ragged_attention(q, k, v, cu, cu, max_seqlen, causal, tiles)
+
+
+# (block_m, block_n, num_warps, num_stages) of engine.triton_kernels.AttentionTiles, tried at every shape.
+# run114 also tried (128, 128, 8, 2), (128, 32, 4, 2) and (64, 32, 4, 2): never the best, and up to 1.9x slower.
+TRITON_TILE_GRID = ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3))
+
+
 def attention_rows(shapes: tuple[tuple[int, int], ...], heads: int, kv_heads: int, head_dim: int, causal: bool,
-                   flashinfer: dict[str, dict], flex: bool, repeats: int) -> list[Row]:
+                   flashinfer: dict[str, dict], flex: bool, repeats: int, triton: bool = False) -> list[Row]:
     """Every candidate on packed batches of `seqs` sequences of `length` tokens; flashinfer maps a row
-    name to build_flashinfer's options."""
+    name to build_flashinfer's options; triton adds ragged_attention with the engine's tiles and each of TRITON_TILE_GRID."""
     rows = []
     for seqs, length in shapes:
         tokens = seqs * length
-        q, k, v = randn(tokens, heads, head_dim), randn(tokens, kv_heads, head_dim), randn(tokens, kv_heads, head_dim)
+        # Views of one projection's output, strided as the engine's models hand them to attention.
+        q, k, v = randn(tokens, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
         cu_host = list(range(0, tokens + 1, length))
         cu = torch.tensor(cu_host, dtype=torch.int32, device=DEVICE)
         exact = SdpaAttention(causal=causal)
@@ -293,6 +310,14 @@ def attention_rows(shapes: tuple[tuple[int, int], ...], heads: int, kv_heads: in
             candidates[f"dense sdpa {backend}"] = lambda backend=backend: build_dense_sdpa(q, k, v, seqs, backend, causal)
         if flex:
             candidates["flex_attention compiled, document mask"] = lambda: build_flex(q, k, v, seqs)
+        if triton:
+            from engine.triton_kernels import AttentionTiles, tiles_for
+
+            engines = tiles_for(head_dim, length, seqs)
+            for tiles in dict.fromkeys((engines, *(AttentionTiles(*t) for t in TRITON_TILE_GRID))):
+                label = " (the engine's)" if tiles == engines else ""
+                candidates[f"triton {tiles.block_m}x{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}{label}"] = (
+                    lambda tiles=tiles: build_triton(q, k, v, cu, length, causal, tiles))
         for name, build in candidates.items():
             rows.append(run_candidate(f"{seqs}x{length}", name, build, reference, repeats, flops))
     return rows
@@ -312,6 +337,14 @@ def attention_hd64(repeats: int) -> list[Row]:
 def attention_causal_long(repeats: int) -> list[Row]:
     flashinfer = {f"flashinfer {backend}": {"backend": backend} for backend in ("fa3", "auto")}
     return attention_rows(((1, 4096), (1, 512), (1, 128)), 16, 8, 128, True, flashinfer, False, repeats)
+
+
+def attention_triton(repeats: int) -> list[Row]:
+    fa3 = {"flashinfer fa3": {"backend": "fa3"}}
+    return (attention_rows(((1, 16), (64, 256), (128, 128), (32, 512)), 12, 12, 32, False, {}, False, repeats, triton=True)
+            + attention_rows(((1, 16), (1, 128), (1, 512), (5, 512), (32, 512), (128, 128)), 12, 12, 64, False, fa3, False,
+                             repeats, triton=True)
+            + attention_rows(((1, 4096), (1, 512)), 16, 8, 128, True, fa3, False, repeats, triton=True))
 
 
 # ---- 5. Qwen3 GEMMs -------------------------------------------------------------------------------
@@ -640,6 +673,9 @@ def profile_step(engine: Engine, batch: PackedBatch, label: str, repeats: int) -
 ENCODER_BATCHES, QWEN3_BATCHES = ((64, 256), (1, 16)), ((1, 128), (1, 4096), (32, 512))
 BREAKDOWN_CONFIGS = (("MiniLM-L6", "auto", ENCODER_BATCHES), ("BERT-base", "auto", ENCODER_BATCHES),
                      ("Qwen3-0.6B", "auto", QWEN3_BATCHES), ("Qwen3-0.6B", "varlen", QWEN3_BATCHES))
+TRITON_BATCHES = ENCODER_BATCHES + ((5, 512),)
+TRITON_CONFIGS = tuple((model, backend, TRITON_BATCHES) for model in ("MiniLM-L6", "BERT-base")
+                       for backend in ("varlen", "flashinfer", "triton") if (model, backend) != ("MiniLM-L6", "flashinfer"))
 
 
 def layer_breakdown(repeats: int, configs: tuple = BREAKDOWN_CONFIGS) -> list[Row]:
@@ -713,6 +749,8 @@ EXPERIMENTS: dict[str, Callable[[int], list[Row]]] = {
     "layer_breakdown": layer_breakdown,
     "encoder_breakdown": functools.partial(layer_breakdown, configs=BREAKDOWN_CONFIGS[:2]),
     "qwen3_breakdown": functools.partial(layer_breakdown, configs=BREAKDOWN_CONFIGS[2:3]),
+    "attention_triton": attention_triton,
+    "triton_breakdown": functools.partial(layer_breakdown, configs=TRITON_CONFIGS),
     "big_batches": big_batches,
 }
 

@@ -95,34 +95,36 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> to
     return out[0].transpose(0, 1)
 
 
-class OneQueryEach:
-    """Query offsets 0, 1, ..., slots on the device: one query row per sequence slot, for pooled()."""
+class DeviceOffsetsAttention:
+    """What the backends that read cu_seqlens from device memory (and so replay in a CUDA graph) share:
+    plan() only keeps the layout, and pooled() needs query offsets 0, 1, ..., slots on the device."""
 
     def __init__(self) -> None:
-        self.offsets: dict[int, torch.Tensor] = {}
+        self.layout: AttentionLayout | None = None
+        self.query_offsets: dict[int, torch.Tensor] = {}  # by slot count
 
-    def __call__(self, slots: int, device: torch.device) -> torch.Tensor:
-        if slots not in self.offsets:  # once per slot count; a graph's before its capture
-            self.offsets[slots] = torch.arange(slots + 1, dtype=torch.int32, device=device)
-        return self.offsets[slots]
+    def plan(self, layout: AttentionLayout) -> None:
+        self.layout = layout
+
+    def one_query_each(self, slots: int, device: torch.device) -> torch.Tensor:
+        """Offsets giving each sequence slot one query row, for pooled()."""
+        if slots not in self.query_offsets:  # once per slot count; a graph's before its capture
+            self.query_offsets[slots] = torch.arange(slots + 1, dtype=torch.int32, device=device)
+        return self.query_offsets[slots]
 
 
-class VarlenAttention:
+class VarlenAttention(DeviceOffsetsAttention):
     """PyTorch's FlashAttention-2 varlen kernel; reads cu_seqlens from device memory, so it replays."""
 
     def __init__(self, causal: bool = False) -> None:
         from torch.nn.attention.varlen import varlen_attn
 
+        super().__init__()
         self.varlen_attn = varlen_attn
         self.window = (-1, 0) if causal else (-1, -1)
         # torch 2.13 takes enable_gqa; older releases (the H200 had 2.11) may not: there k and v get
         # their heads repeated instead.
         self.native_gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
-        self.layout: AttentionLayout | None = None
-        self.one_query_each = OneQueryEach()
-
-    def plan(self, layout: AttentionLayout) -> None:
-        self.layout = layout
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layout = self.layout
@@ -145,7 +147,7 @@ class VarlenAttention:
         return (*(t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v)), {})
 
 
-class TritonAttention:
+class TritonAttention(DeviceOffsetsAttention):
     """engine.triton_kernels.ragged_attention: one program per sequence, head and block of query rows,
     reading cu_seqlens from device memory (so it replays), launching blocks for max_seqlen rows per
     sequence as varlen does (engine.graphs buckets it)."""
@@ -153,13 +155,9 @@ class TritonAttention:
     def __init__(self, causal: bool = False) -> None:
         from engine.triton_kernels import ragged_attention, tiles_for
 
+        super().__init__()
         self.ragged_attention, self.tiles_for = ragged_attention, tiles_for
         self.causal = causal
-        self.layout: AttentionLayout | None = None
-        self.one_query_each = OneQueryEach()
-
-    def plan(self, layout: AttentionLayout) -> None:
-        self.layout = layout
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layout = self.layout

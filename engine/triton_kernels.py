@@ -12,14 +12,13 @@ one program per token took 19 (run14); its memory traffic alone takes about 11.
 ragged_attention: softmax(q k^T / sqrt(d)) v within each sequence of a packed batch, one program per
 (sequence, head, block of query rows), looping over the sequence's keys with an online softmax
 (FlashAttention's scheme); bidirectional or causal, grouped k/v heads, separate query and key
-offsets (so one query row per sequence serves a pruned last layer). engine.attention.TritonAttention
+offsets (so one query row per sequence serves a pruned last layer). engine.attention.choose_backend
 says where it beats the library kernels and by how much.
 GPU only: triton ships with CUDA builds of torch, and the engine imports this module only there.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -99,11 +98,14 @@ def _ragged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, q_offsets_ptr, kv_off
     kv_rows = tl.load(kv_offsets_ptr + seq + 1) - kv_start
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (q_start + rows)[:, None] * q_token_stride + head * q_head_stride + dims[None, :],
-                mask=(rows < q_rows)[:, None], other=0.0)
+    # A sequence's start times a token stride passes 2^31 past about 500k tokens (Qwen3-0.6B's QKV
+    # rows are 4,096 wide), so the bases are 64-bit; offsets within one sequence stay 32-bit.
+    q_base = q_ptr + q_start.to(tl.int64) * q_token_stride + head * q_head_stride
+    out_base = out_ptr + q_start.to(tl.int64) * out_token_stride + head * out_head_stride
+    q = tl.load(q_base + rows[:, None] * q_token_stride + dims[None, :], mask=(rows < q_rows)[:, None], other=0.0)
     kv_head = head // GROUP
-    k_base = k_ptr + kv_start * k_token_stride + kv_head * k_head_stride
-    v_base = v_ptr + kv_start * v_token_stride + kv_head * v_head_stride
+    k_base = k_ptr + kv_start.to(tl.int64) * k_token_stride + kv_head * k_head_stride
+    v_base = v_ptr + kv_start.to(tl.int64) * v_token_stride + kv_head * v_head_stride
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -130,8 +132,8 @@ def _ragged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, q_offsets_ptr, kv_off
         row_max = new_max
     # A sequence without keys (an empty slot's pooled row) gives zeros, not 0 / 0.
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + rows)[:, None] * out_token_stride + head * out_head_stride + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(rows < q_rows)[:, None])
+    tl.store(out_base + rows[:, None] * out_token_stride + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(rows < q_rows)[:, None])
 
 
 @dataclass(frozen=True)
@@ -144,20 +146,29 @@ class AttentionTiles:
     num_stages: int
 
 
-@functools.cache
+WIDE_TILES = AttentionTiles(128, 64, 4, 3)
+TILES = AttentionTiles(64, 64, 4, 3)
+ONE_ROW_TILES = AttentionTiles(16, 64, 4, 3)
+
+
 def tiles_for(head_dim: int, max_rows: int, slots: int) -> AttentionTiles:
-    """ragged_attention's launch configuration for a head_dim and a batch's longest run of query rows and slots.
+    """ragged_attention's launch configuration for a head_dim, the query rows it launches per sequence
+    (in a graph the bucketed max_seqlen, engine.graphs.seqlen_for) and the sequence slots.
 
     From the configurations bench.kernels attention_triton times at each shape (bench/results/
     gpu-2026-12-01-run114-triton-attention, run116): 64 query rows, 64 keys a step, 4 warps and 3
-    stages were best or within 3% of it at head_dim 32 (MiniLM) and 128 (Qwen3), and at head_dim 64
-    (BERT-base) for one sequence (1 x 512 tokens: 7.1 us against 10.7 with 128 rows, which leave
-    most of the GPU's 132 SMs idle). Head_dim 64 did best with 128 rows once a batch has sequences
-    to fill the GPU (32 x 512 tokens: 94 us against 101). Three stages beat two by 10-15% from 256
-    tokens on. One query row per sequence (a pruned last layer) takes 16-row tiles.
+    stages were the best, or within 3% of it, at every shape of 128 tokens or more at head_dim 32
+    (MiniLM) and 128 (Qwen3), and at head_dim 64 (BERT-base) for one sequence (1 x 512 tokens:
+    7.1 us against 10.7 with 128 rows, which leave most of the GPU's 132 SMs idle); for one 16-token
+    query every configuration took 2.3-2.8 us. Head_dim 64 did best with 128 rows once a batch has
+    sequences to fill the GPU (32 x 512 tokens: 94 us against 101; at 5 x 512 the two are level);
+    so from 8 slots on, which is 5 to 8 sequences in a graph. With 64 rows three stages beat two by
+    up to 15% (64 x 256 tokens at head_dim 32: 36 against 42 us), and never lost. One query row per
+    sequence (pooled(), a pruned last layer) takes 16-row tiles, the least tl.dot takes: not timed.
     """
-    block_m = 16 if max_rows <= 16 else 128 if head_dim == 64 and max_rows > 64 and slots >= 8 else 64
-    return AttentionTiles(block_m, 64, 4, 3)
+    if max_rows == 1:
+        return ONE_ROW_TILES
+    return WIDE_TILES if head_dim == 64 and max_rows > 64 and slots >= 8 else TILES
 
 
 def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
@@ -167,6 +178,8 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
     bidirectional only); max_q_rows bounds each sequence's query rows. -> [Tq, heads, d], where rows
     past q_offsets[-1] are left unwritten. head_dim 32, 64 or 128 (what has run on the H200)."""
     tokens, heads, head_dim = q.shape
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and heads % k.shape[1] == 0
+    assert not causal or q_offsets is kv_offsets, "a causal mask compares query and key positions of one layout"
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     slots = q_offsets.numel() - 1
     if slots and max_q_rows:

@@ -55,6 +55,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -65,6 +66,9 @@ from engine import Engine, EngineConfig, PackedBatch
 from engine.attention import AttentionLayout, SdpaAttention
 from tests.models import BERT_BASE, save_random_model
 from tests.test_qwen3 import QWEN3_06B, save_random_qwen3
+
+if TYPE_CHECKING:  # engine.triton_kernels imports triton, which a CPU machine may lack
+    from engine.triton_kernels import AttentionTiles
 
 DEVICE, DTYPE = "cuda", torch.bfloat16
 BF16_CEILING = 796e12  # FLOP/s, measured on the H200 (8192^3 matmul; ../shared/gpu/README.md)
@@ -276,14 +280,15 @@ def build_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: int) -> 
 
 
 def build_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_seqlen: int,
-                 causal: bool, tiles: object) -> Call:
+                 causal: bool, tiles: AttentionTiles) -> Call:
     from engine.triton_kernels import ragged_attention
 
     return lambda: ragged_attention(q, k, v, cu, cu, max_seqlen, causal, tiles)
 
 
 # (block_m, block_n, num_warps, num_stages) of engine.triton_kernels.AttentionTiles, tried at every shape.
-# run114 also tried (128, 128, 8, 2), (128, 32, 4, 2) and (64, 32, 4, 2): never the best, and up to 1.9x slower.
+# run114 also tried (128, 128, 8, 2), (128, 32, 4, 2) and (64, 32, 4, 2): the last was the best only for one
+# 16-token query, by 0.1-0.2 us; the others never, and up to 2.0x slower.
 TRITON_TILE_GRID = ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3))
 
 
@@ -313,9 +318,10 @@ def attention_rows(shapes: tuple[tuple[int, int], ...], heads: int, kv_heads: in
         if triton:
             from engine.triton_kernels import AttentionTiles, tiles_for
 
-            engines = tiles_for(head_dim, length, seqs)
-            for tiles in dict.fromkeys((engines, *(AttentionTiles(*t) for t in TRITON_TILE_GRID))):
-                label = " (the engine's)" if tiles == engines else ""
+            # What the engine picks for this exact batch; a graph of it would launch the bucketed max_seqlen.
+            engine_tiles = tiles_for(head_dim, length, seqs)
+            for tiles in dict.fromkeys((engine_tiles, *(AttentionTiles(*t) for t in TRITON_TILE_GRID))):
+                label = " (the engine's)" if tiles == engine_tiles else ""
                 candidates[f"triton {tiles.block_m}x{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}{label}"] = (
                     lambda tiles=tiles: build_triton(q, k, v, cu, length, causal, tiles))
         for name, build in candidates.items():

@@ -287,9 +287,11 @@ def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
       model-only, 13.5M tok/s against 11.6M; batch 1 at 16 tokens 0.259 ms against 0.288 (run116).
     - head_dim 64 (BERT-base): FlashInfer's fa3 is faster at full batches (80 us against 94 at
       32 x 512; BERT-base model-only 2.58M tok/s against 2.45M, run115), which is what index runs.
-      Triton is faster for a few sequences: 2.5 us against 5.9 for one 16-token query, 15 against
+      Triton is faster for a few sequences: 2.5 us against 5.9 for one 16-token query, 16 against
       20 at 5 x 512; BERT-base batch 1 at 16 / 128 / 512 tokens 0.450 / 0.480 / 0.581 ms against
-      0.604 / 0.626 / 0.730 (run117), so `--attention triton` suits a server of single queries. The
+      0.604 / 0.626 / 0.730 (run117, with 64-row tiles for a lone sequence: with 128 rows run115
+      had 0.663 / 0.805 at 128 / 512 against 0.538 / 0.726), so `--attention triton` suits a server
+      of single queries. The
       cross-encoder's 5 / 25 / 50 pairs: 2.11 / 6.90 / 11.78 ms against 2.01 / 6.60 / 11.28 (run117),
       and 2.42, 2.46 against 2.56, 2.66 for 5 pairs alternating (run115): no clear winner, so the
       rule stays per head_dim.
@@ -315,7 +317,7 @@ def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
         return "triton"
     if requested == "sdpa":
         raise UserError("--attention sdpa is the CPU backend (its per-sequence loop cannot be captured in a "
-                        "CUDA graph); use varlen or flashinfer on a GPU")
+                        "CUDA graph); use varlen, flashinfer or triton on a GPU")
     if requested == "auto":
         if head_dim in FLASHINFER_HEAD_DIMS and flashinfer_available():
             return "flashinfer"

@@ -163,7 +163,8 @@ def tiles_for(head_dim: int, max_rows: int, slots: int) -> AttentionTiles:
     query every configuration took 2.3-2.8 us. Head_dim 64 did best with 128 rows once a batch has
     sequences to fill the GPU (32 x 512 tokens: 94 us against 101; at 5 x 512 the two are level);
     so from 8 slots on, which is 5 to 8 sequences in a graph. With 64 rows three stages beat two by
-    up to 15% (64 x 256 tokens at head_dim 32: 36 against 42 us), and never lost. One query row per
+    up to 15% from 256 tokens on (64 x 256 tokens at head_dim 32: 36 against 42 us); below that the
+    two were within 0.2 us of each other. One query row per
     sequence (pooled(), a pruned last layer) takes 16-row tiles, the least tl.dot takes: not timed.
     """
     if max_rows == 1:

@@ -135,8 +135,8 @@ class VarlenAttention(DeviceOffsetsAttention):
     def pooled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layout = self.layout
         k, v, options = self._grouped(q, k, v)
-        return self.varlen_attn(q, k, v, self.one_query_each(q.shape[0], q.device), layout.cu_seqlens, 1, layout.max_seqlen,
-                                window_size=(-1, -1), **options)
+        return self.varlen_attn(q, k, v, self.one_query_each(q.shape[0], q.device), layout.cu_seqlens, 1,
+                                layout.max_seqlen, window_size=(-1, -1), **options)
 
     def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """k and v as varlen_attn takes them with fewer k/v heads than q heads, and its options."""

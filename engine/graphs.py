@@ -7,11 +7,11 @@ per slot: 512 slots for a batch of 60 sequences cost MiniLM a third of its GPU t
 of a shape runs eagerly on the exact batch, the second captures and replays, later hits replay:
 capture cost is spread over traffic instead of paid at start (warmup=True pays it at start, for
 batches of sequences up to 512 tokens; `embedctl serve` warms up by default).
-A graph also bakes in the max_seqlen it gives varlen_attn or the Triton kernel, which launch a block
-per 64-128 rows of max_seqlen for every sequence slot and head, however short the sequence; so a batch's longest
-sequence is bucketed too, to a power of two of at least 512 (seqlen_for). BERT-family models (max
-length at most 512) keep one graph per (tokens, slots); a Qwen3 model with a 32k max length does not
-launch 256 idle blocks per short sequence.
+A graph also bakes in the max_seqlen it gives varlen_attn or the Triton kernel, which launch a
+block per 64-128 rows of max_seqlen for every sequence slot and head, however short the sequence;
+so a batch's longest sequence is bucketed too, to a power of two of at least 512 (seqlen_for).
+BERT-family models (max length at most 512) keep one graph per (tokens, slots); a Qwen3 model with
+a 32k max length does not launch 256 idle blocks per short sequence.
 Batches of more than GRAPH_MAX_TOKENS tokens run eagerly: such a step is tens of milliseconds of GPU
 work (Qwen3-0.6B: about 15 TFLOP at 16k tokens, some 25 ms on an H200), so launching its few hundred
 kernels from Python hides behind the GPU and a graph would save nothing, while each of the 64 buckets

@@ -33,6 +33,8 @@ Not here: the model, attention kernels, readback (engine.lazy).
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,6 +146,34 @@ class _Lane:
         self.stream.wait_stream(torch.cuda.current_stream(device))
         self.done.record(self.stream)
         self.batches = 0
+
+
+class _CollectionPause:
+    """No automatic garbage collection inside: collecting an engine dropped earlier (engines hold reference
+    cycles) destroys its graphs, which CUDA refuses while this thread captures, and the refusal fails the
+    capture (seen on the H200: bench/results/gpu-2026-12-01-run119-pool-normalize). Counted, so that
+    threads capturing at once leave collection off until the last one ends."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.was_enabled = False
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.inside == 0:
+                self.was_enabled = gc.isenabled()
+                gc.disable()
+            self.inside += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self.lock:
+            self.inside -= 1
+            if self.inside == 0 and self.was_enabled:
+                gc.enable()
+
+
+_no_collection = _CollectionPause()
 
 
 class GraphRunner:
@@ -289,7 +319,8 @@ class GraphRunner:
         torch.cuda.synchronize(self.device)
         captured = torch.cuda.CUDAGraph()
         # thread_local: another thread may wait on an earlier batch's event meanwhile (the index writer does).
-        with torch.cuda.graph(captured, pool=lane.pool, stream=lane.stream, capture_error_mode="thread_local"):
+        with _no_collection, torch.cuda.graph(captured, pool=lane.pool, stream=lane.stream,
+                                              capture_error_mode="thread_local"):
             output = self.forward(lane.inputs, tokens, slots, graph.attention)
         graph.graph, graph.output = captured, output  # only once captured: a failed capture leaves none to replay
         self.stats.captures += 1

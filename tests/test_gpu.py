@@ -6,6 +6,8 @@ Tolerances are bf16/fp16 ones: cosine >= 0.999 against fp32 references.
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -121,6 +123,29 @@ def test_warmup_captures_every_bucket(minilm_dir, texts) -> None:
     assert model.engine.stats.captures == shapes  # on the first lane; the others capture as batches reach them
     model.embed(texts[:30])
     assert model.engine.stats.eager_runs == 0 and model.engine.stats.replays > 0
+
+
+def test_no_garbage_collection_runs_while_a_graph_captures(minilm_dir, texts) -> None:
+    # Collecting an engine dropped earlier destroys its graphs, which CUDA refuses during a capture, failing it.
+    engine = Engine.load(str(minilm_dir))
+    batch = PackedBatch.of(embedctl.load(str(minilm_dir), device="cpu").tokenizer.encode(texts[:8]).ids)
+    capturing: list[bool] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            capturing.append(torch.cuda.is_current_stream_capturing())
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)  # a young-generation collection at nearly every allocation
+    gc.callbacks.append(record)
+    try:
+        for _ in range(3):  # eager, capture, replay
+            engine.step(batch).result()
+    finally:
+        gc.callbacks.remove(record)
+        gc.set_threshold(*thresholds)
+    assert engine.stats.captures == 1
+    assert capturing and not any(capturing)
 
 
 def test_a_step_leaves_the_callers_stream_current_whether_it_ends_or_fails(minilm_dir, texts) -> None:

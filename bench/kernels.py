@@ -9,6 +9,8 @@ and cosine next to its time, so a fast but wrong kernel shows):
   attention_causal_long  Qwen3-0.6B causal GQA attention at 4,096 / 512 / 128 tokens, with TFLOP/s
   attention_triton       engine.triton_kernels.ragged_attention per tile config against varlen_attn,
                          FlashInfer and dense SDPA, at MiniLM's, BERT-base's and Qwen3's shapes
+  pooling                mean / last-token pooling with truncation and L2 norm: engine.pooling's torch ops
+                         against engine.triton_kernels.pool_normalize per rows-at-once setting
   qwen3_gemms            Qwen3-0.6B's four GEMMs per layer at 128 to 16,384 tokens, with TFLOP/s
   qwen3_elementwise      Qwen3's SwiGLU and q/k norm + rotary: compiled as the engine does, static, eager, FlashInfer
   qwen3_residual         Qwen3's output GEMMs with the residual added by the GEMM (addmm_) then RMSNorm,
@@ -64,6 +66,7 @@ import torch.nn.functional as F
 from bench.common import gpu_span_and_idle_us
 from engine import Engine, EngineConfig, PackedBatch
 from engine.attention import AttentionLayout, SdpaAttention
+from engine.graphs import bucket_for
 from tests.models import BERT_BASE, save_random_model
 from tests.test_qwen3 import QWEN3_06B, save_random_qwen3
 
@@ -354,6 +357,40 @@ def attention_triton(repeats: int) -> list[Row]:
 
 
 # ---- 5. Qwen3 GEMMs -------------------------------------------------------------------------------
+
+POOLING_SHAPES = ((1, 16), (1, 512), (64, 256), (32, 512), (128, 128))
+POOL_BLOCKS = ((8192, 4), (16384, 8), (32768, 8))  # (elements, warps): engine.triton_kernels' short and long blocks among them
+
+
+def pooling(repeats: int) -> list[Row]:
+    from engine.pooling import finish, pool, pooled_rows
+    from engine.triton_kernels import pool_normalize
+
+    rows: list[Row] = []
+    for hidden_size in (384, 768, 1024):
+        for seqs, length in POOLING_SHAPES:
+            tokens = seqs * length
+            hidden = randn(bucket_for(tokens), hidden_size)  # a graph's padding rows after the last sequence
+            cu = torch.arange(0, tokens + 1, length, dtype=torch.int32, device=DEVICE)
+            seq_ids = torch.full((hidden.shape[0],), seqs, dtype=torch.int32, device=DEVICE)
+            seq_ids[:tokens] = torch.arange(tokens, device=DEVICE) // length
+            shape = f"H={hidden_size} {seqs}x{length}"
+            for mode in ("mean", "last"):
+                reference = finish(pool(hidden.float(), seq_ids, cu, mode), None, True)
+                candidates: dict[str, Callable[[], Call]] = {
+                    f"{mode} torch (engine.pooling)": lambda mode=mode: lambda: finish(pool(hidden, seq_ids, cu, mode), None, True)}
+                if mode == "mean":
+                    for block in (None, *POOL_BLOCKS):
+                        label = f"{mode} pool_normalize " + (f"{block[0]} w{block[1]}" if block else "(the engine's block)")
+                        candidates[label] = lambda block=block: functools.partial(
+                            pool_normalize, hidden, hidden_size, True, cu_seqlens=cu, block=block)
+                else:
+                    candidates[f"{mode} pool_normalize"] = lambda mode=mode: functools.partial(
+                        pool_normalize, hidden, hidden_size, True, rows=pooled_rows(cu, mode, hidden.shape[0]))
+                for name, build in candidates.items():
+                    rows.append(run_candidate(shape, name, build, reference, repeats))
+    return rows
+
 
 def qwen3_gemms(repeats: int) -> list[Row]:
     rows: list[Row] = []
@@ -756,6 +793,7 @@ EXPERIMENTS: dict[str, Callable[[int], list[Row]]] = {
     "encoder_breakdown": functools.partial(layer_breakdown, configs=BREAKDOWN_CONFIGS[:2]),
     "qwen3_breakdown": functools.partial(layer_breakdown, configs=BREAKDOWN_CONFIGS[2:3]),
     "attention_triton": attention_triton,
+    "pooling": pooling,
     "triton_breakdown": functools.partial(layer_breakdown, configs=TRITON_CONFIGS),
     "big_batches": big_batches,
 }

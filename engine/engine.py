@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine.attention import (Attention, AttentionLayout, FlashInferAttention, SdpaAttention, TritonAttention, VarlenAttention,
-                              choose_backend)
+                              choose_backend, triton_available)
 from engine.batch import Packer, PackedBatch
 from engine.checkpoint import load_weights, position_offset, resolve_model
 from engine.config import GPU_FP32, EngineConfig
@@ -60,6 +60,8 @@ class Engine:
         self.max_batch_tokens = config.batch_tokens(device, self.max_length)  # spec checked a user's budget
         self.attention = choose_backend(config.attention, device, model.head_dim)
         self.prune = prunes_last_layer(self.pooling, model.causal)
+        # Pooling, truncation and normalisation in one kernel (engine.triton_kernels.pool_normalize) on a GPU.
+        self.pool_kernel = device.type == "cuda" and triton_available()
         self.runner: GraphRunner | None = None
         self._flashinfer_workspaces: dict[int, torch.Tensor] = {}  # per lane: batches on several lanes run at once
         if device.type == "cuda":
@@ -98,14 +100,20 @@ class Engine:
         """The whole model on inputs laid out by PackedBatch.write_inputs -> float32 [slots, dim]."""
         input_ids, positions, token_types, seq_ids = inputs[: 4 * tokens].view(4, tokens)
         cu_seqlens = inputs[4 * tokens: 4 * tokens + slots + 1]
-        if self.prune:
-            rows = pooled_rows(cu_seqlens, self.pooling, tokens)
-            pooled = self.model(input_ids, positions, token_types, attention, rows).float()
-        else:
-            pooled = pool(self.model(input_ids, positions, token_types, attention), seq_ids, cu_seqlens, self.pooling)
+        rows = pooled_rows(cu_seqlens, self.pooling, tokens) if self.pooling != "mean" else None
+        # Pruned, the model gives the pooled rows themselves, one per sequence.
+        hidden = self.model(input_ids, positions, token_types, attention, rows if self.prune else None)
         if self.num_labels:
+            pooled = hidden.float() if self.prune else pool(hidden, seq_ids, cu_seqlens, self.pooling)
             logits = self.model.classify(pooled.to(self.dtype)).float()
             return torch.sigmoid(logits) if self.sigmoid else logits
+        if self.pool_kernel:
+            from engine.triton_kernels import pool_normalize
+
+            vectors = pool_normalize(hidden, self.dim, self.normalize, cu_seqlens if rows is None else None,
+                                     None if self.prune else rows)
+            return finish(vectors, None, False, self.quantization)
+        pooled = hidden.float() if self.prune else pool(hidden, seq_ids, cu_seqlens, self.pooling)
         return finish(pooled, self.config.dim, self.normalize, self.quantization)
 
     @torch.inference_mode()

@@ -6,6 +6,8 @@ CUDA graph: CLS reads the row at each sequence's start, last-token the row befor
 mean sums rows by sequence with index_add. Padding tokens, if any, carry the sequence index
 `slots` and land in a spare row that is dropped. Where pooling reads one row per sequence, the
 engine has the model's last layer compute only those rows (prunes_last_layer, pooled_rows).
+On a GPU the engine pools, truncates and normalises in one kernel instead
+(engine.triton_kernels.pool_normalize), and uses finish only for int8 output; these are its reference.
 """
 
 from __future__ import annotations

@@ -14,6 +14,12 @@ ragged_attention: softmax(q k^T / sqrt(d)) v within each sequence of a packed ba
 (FlashAttention's scheme); bidirectional or causal, grouped k/v heads, separate query and key
 offsets (so one query row per sequence serves a pruned last layer). engine.attention.choose_backend
 says where it beats the library kernels and by how much.
+pool_normalize: a sequence's vector from its hidden states (the mean of its rows, or one row), cut to
+the first `dim` components and L2-normalised, in one program per sequence. engine.pooling's torch
+form takes five to seven kernels: an fp32 copy of every hidden state, index_add's atomics, a divide,
+a norm and a divide again (about 57 us of MiniLM's 1,142 at 64 x 256 tokens, 11 of its 135 for one
+16-token query: bench/results/gpu-2026-12-01-run114-triton-attention). Timed alone at 384 columns
+(run120): 7.4 us against 72.9 at 64 x 256 tokens, 2.4 against 15.2 for one 16-token query.
 GPU only: triton ships with CUDA builds of torch, and the engine imports this module only there.
 """
 
@@ -190,4 +196,61 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), math.log2(math.e) / math.sqrt(head_dim),
             GROUP=heads // k.shape[1], HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+@triton.jit
+def _pool_normalize_kernel(hidden_ptr, offsets_ptr, rows_ptr, out_ptr, hidden_stride, out_stride, dim,
+                           MEAN: tl.constexpr, GATHER: tl.constexpr, NORMALIZE: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    slot = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    kept = cols < dim
+    if MEAN:
+        start = tl.load(offsets_ptr + slot)
+        end = tl.load(offsets_ptr + slot + 1)
+        # Summed across rows once at the end: a reduction per block would stall every load on it.
+        sums = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        for first in range(start, end, BLOCK_T):
+            rows = first + tl.arange(0, BLOCK_T)
+            block = tl.load(hidden_ptr + rows.to(tl.int64)[:, None] * hidden_stride + cols[None, :],
+                            mask=(rows < end)[:, None] & kept[None, :], other=0.0)
+            sums += block.to(tl.float32)
+        vector = tl.sum(sums, 0) / tl.maximum(end - start, 1)  # an empty slot gives zeros
+    else:
+        row = tl.load(rows_ptr + slot).to(tl.int64) if GATHER else slot.to(tl.int64)
+        vector = tl.load(hidden_ptr + row * hidden_stride + cols, mask=kept, other=0.0).to(tl.float32)
+    if NORMALIZE:  # as F.normalize: a zero vector stays zero
+        vector = vector / tl.maximum(tl.sqrt(tl.sum(vector * vector, 0)), 1e-12)
+    tl.store(out_ptr + slot * out_stride + cols, vector, mask=kept)
+
+
+# Elements a mean-pooling program loads at once (rows x columns padded to a power of two) and its
+# warps, by the rows per sequence slot: a wide block for long sequences, a narrow one for short.
+# From bench.kernels pooling (bench/results/gpu-2026-12-01-run120-pool-tiles-gc), graph replay at
+# 384 / 768 / 1,024 columns: one 512-token sequence 10.4 / 16.4 / 16.3 us with 32,768 over 8 warps
+# against 19.6 / 30.4 / 30.3 with 8,192 over 4 (torch's ops 22.3 / 24.5 / 24.5), 32 x 512 tokens
+# 10.5 / 16.7 / 17.1 against 20.5 / 31.7 / 31.8 (torch 76 / 151 / 193); one 16-token query 2.4 /
+# 2.4 / 2.5 us with 8,192 over 4 against 3.6-4.7 with the wide block (torch 15.2-17.8).
+SHORT_POOL_BLOCK, LONG_POOL_BLOCK = (8192, 4), (32768, 8)
+SHORT_POOL_ROWS = 64
+
+
+def pool_normalize(hidden: torch.Tensor, dim: int, normalize: bool, cu_seqlens: torch.Tensor | None = None,
+                   rows: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """float32 [S, dim] from hidden [T, H] (H contiguous): with cu_seqlens (int32 [S + 1]) the mean of each
+    sequence's rows (rows past cu_seqlens[-1] are padding, never read); else hidden[rows] (int [S]),
+    or hidden itself when rows is None (a pruned last layer's one row per sequence). Only the first
+    `dim` components are read; normalize L2-normalises those. block: (elements, warps), by default
+    SHORT_POOL_BLOCK or LONG_POOL_BLOCK for the rows per slot."""
+    assert hidden.stride(-1) == 1 and dim <= hidden.shape[1]
+    slots = cu_seqlens.numel() - 1 if cu_seqlens is not None else rows.numel() if rows is not None else hidden.shape[0]
+    out = torch.empty(slots, dim, dtype=torch.float32, device=hidden.device)
+    if slots:
+        elements, warps = block or (SHORT_POOL_BLOCK if hidden.shape[0] <= SHORT_POOL_ROWS * slots else LONG_POOL_BLOCK)
+        block_d = triton.next_power_of_2(dim)
+        _pool_normalize_kernel[(slots,)](
+            hidden, cu_seqlens if cu_seqlens is not None else out, rows if rows is not None else out, out,
+            hidden.stride(0), out.stride(0), dim, MEAN=cu_seqlens is not None, GATHER=rows is not None,
+            NORMALIZE=normalize, BLOCK_T=max(1, elements // block_d), BLOCK_D=block_d, num_warps=warps)
     return out

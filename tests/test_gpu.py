@@ -59,11 +59,23 @@ def test_graph_replay_equals_eager(minilm_dir, texts) -> None:
     stats = model.engine.stats
     assert (stats.eager_runs, stats.captures, stats.replays) == (1, 1, 1)
     assert cosine(captured, first).min() >= 0.9999
-    # Not bitwise: mean pooling sums rows with atomic adds, whose order varies from run to run.
-    np.testing.assert_allclose(replayed, captured, atol=1e-6)
+    # Bitwise: pool_normalize sums each sequence's rows in one program, in a fixed order.
+    np.testing.assert_array_equal(replayed, captured)
     no_graphs = embedctl.load(str(minilm_dir), cuda_graphs=False)
     assert cosine(no_graphs.engine.step(batch).result(), captured).min() >= 0.9999
     assert no_graphs.engine.stats.captures == 0
+
+
+def test_matryoshka_dim_on_the_gpu_equals_the_cpu(minilm_dir, texts) -> None:
+    gpu = Engine.load(str(minilm_dir), EngineConfig(dim=100))
+    cpu = Engine.load(str(minilm_dir), EngineConfig(device="cpu", dim=100))
+    sequences = embedctl.load(str(minilm_dir), device="cpu").tokenizer.encode(texts).ids
+    expected = cpu.embed(sequences)
+    for _ in range(3):  # eager, capture, replay
+        vectors = gpu.embed(sequences)
+        assert vectors.shape == (len(texts), 100)
+        assert cosine(vectors, expected).min() >= 0.999
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
 
 
 @pytest.mark.parametrize("total", [64, 65, 1024, 1025, 3000])
@@ -200,6 +212,33 @@ def test_attention_backend_matches_exact_sdpa(backend: str, head_dim: int, lengt
     pooled = attention.pooled(q[first_rows], k, v).float()
     assert torch.linalg.norm(pooled - pooled_expected) / torch.linalg.norm(pooled_expected) < 1e-2
     assert not pooled[lengths.index(0)].any()  # an empty sequence's row is zeros
+
+
+@pytest.mark.parametrize("hidden_size", [384, 1024])
+@pytest.mark.parametrize("dim", [None, 100])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("block", ["short", "long"])
+def test_pool_normalize_equals_torch_pooling(hidden_size: int, dim: int | None, normalize: bool, block: str) -> None:
+    from engine.pooling import finish, pool, pooled_rows
+    from engine.triton_kernels import LONG_POOL_BLOCK, SHORT_POOL_BLOCK, pool_normalize
+
+    lengths = [3, 0, 512, 1, 40, 17]
+    cu_seqlens = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32, device="cuda")
+    total = int(cu_seqlens[-1])
+    hidden = torch.randn(total + 9, hidden_size, device="cuda", dtype=torch.bfloat16)
+    hidden[total:] = 1e4  # padding rows, which no sequence may read
+    seq_ids = torch.full((total + 9,), len(lengths), dtype=torch.int32, device="cuda")
+    seq_ids[:total] = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), torch.tensor(lengths, device="cuda"))
+    width = dim or hidden_size
+    expected = finish(pool(hidden, seq_ids, cu_seqlens, "mean"), dim, normalize)
+    blocks = {"short": SHORT_POOL_BLOCK, "long": LONG_POOL_BLOCK}
+    torch.testing.assert_close(pool_normalize(hidden, width, normalize, cu_seqlens=cu_seqlens, block=blocks[block]),
+                               expected, rtol=1e-5, atol=1e-5)
+    for mode in ("cls", "last"):
+        rows = pooled_rows(cu_seqlens, mode, hidden.shape[0])
+        expected = finish(pool(hidden, seq_ids, cu_seqlens, mode), dim, normalize)
+        torch.testing.assert_close(pool_normalize(hidden, width, normalize, rows=rows), expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(pool_normalize(hidden[rows], width, normalize), expected, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["varlen", "triton", pytest.param("flashinfer", marks=needs_flashinfer)])

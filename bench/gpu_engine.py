@@ -64,7 +64,7 @@ def main() -> None:
             except Exception as error:  # noqa: BLE001 - a backend that cannot run this model is reported, not fatal
                 results["models"][label] = {"skipped": str(error)}
                 continue
-            print(f"== {label}: attention {engine.attention}, dtype {engine.dtype}", flush=True)
+            print(f"== {label}: attention {engine.attention_label}, dtype {engine.dtype}", flush=True)
             first = backend == args.attention[0] and lanes == args.lanes[0]
             results["models"][label] = run_suites(args, engine, path, texts, scratch, peers=args.peers and first)
             del engine
@@ -118,7 +118,7 @@ def run_suites(args: argparse.Namespace, engine: Engine, path: Path, texts: list
                peers: bool) -> dict:
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
     ids = tokenizer.encode(texts).ids
-    out: dict = {"attention": engine.attention, "tokens": int(sum(map(len, ids)))}
+    out: dict = {"attention": engine.attention_label, "tokens": int(sum(map(len, ids)))}
     st = hf = None
     if peers:
         from sentence_transformers import SentenceTransformer
@@ -144,8 +144,8 @@ def run_suites(args: argparse.Namespace, engine: Engine, path: Path, texts: list
 def latency_suite(args, engine: Engine, path: Path, tokenizer: TextTokenizer, st, hf) -> dict:
     from embedctl.api import Embedder
 
-    eager = load(path, engine.attention, cuda_graphs=False, lanes=engine.config.lanes)
-    uncompiled = load(path, engine.attention, compile=False, lanes=engine.config.lanes)
+    eager = load(path, engine.config.attention, cuda_graphs=False, lanes=engine.config.lanes)
+    uncompiled = load(path, engine.config.attention, compile=False, lanes=engine.config.lanes)
     as_text = Embedder(engine)
     suite = {}
     for tokens in LATENCY_TOKENS:
@@ -274,7 +274,7 @@ def saturation_suite(engine: Engine, ids: list[np.ndarray], smoke: bool) -> dict
         seconds = timed(lambda: burst(engine, batch, steps))
         suite[tokens] = tokens * steps / seconds
     if not smoke:
-        uncompiled = load(engine.files.path, engine.attention, compile=False, lanes=engine.config.lanes,
+        uncompiled = load(engine.files.path, engine.config.attention, compile=False, lanes=engine.config.lanes,
                           max_batch_tokens=engine.max_batch_tokens)
         batch = batch_of(ids, engine.max_batch_tokens)
         for _ in range(2):
@@ -294,7 +294,7 @@ def burst(engine: Engine, batch: PackedBatch, steps: int) -> None:
 
 
 def graphs_suite(args, engine: Engine, path: Path) -> dict:
-    eager = load(path, engine.attention, cuda_graphs=False, lanes=engine.config.lanes)
+    eager = load(path, engine.config.attention, cuda_graphs=False, lanes=engine.config.lanes)
     rng = np.random.default_rng(0)
     suite = {}
     for seqs, length in GRAPH_BATCHES:

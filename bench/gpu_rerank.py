@@ -67,7 +67,7 @@ def main() -> None:
     processes = default_pair_processes(engine.device.type == "cuda") if args.processes is None else args.processes
     new_tokenizer = partial(TextTokenizer, engine.files.tokenizer_file, engine.max_length)
     results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-               "attention": engine.attention, "dtype": str(engine.dtype), "pair_tokens": engine.max_length,
+               "attention": engine.attention_label, "dtype": str(engine.dtype), "pair_tokens": engine.max_length,
                "tokenizer_processes": processes, "points": {}}
     # fp16 is how the peer figures in ../shared/gpu/README.md were taken; fp32 is CrossEncoder's default.
     peers = {name: cross_encoder(path, dtype, engine.max_length) for name, dtype in

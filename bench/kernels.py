@@ -730,7 +730,7 @@ def layer_breakdown(repeats: int, configs: tuple = BREAKDOWN_CONFIGS) -> list[Ro
             # One lane: a profile of one step's kernels, which further lanes would overlap with the next step's.
             engine = Engine.load(str(model_dir(model)), EngineConfig(attention=backend, lanes=1, **options))
             for seqs, length in batches:
-                label = f"{model} {engine.attention} {seqs}x{length}"
+                label = f"{model} {engine.attention_label} {seqs}x{length}"
                 try:
                     rows += profile_step(engine, random_batch(seqs, length), label, repeats)
                 except Exception as error:  # noqa: BLE001 - one batch shape failing leaves the others
@@ -748,7 +748,7 @@ def big_batches(repeats: int) -> list[Row]:
         try:
             engine = Engine.load(str(model_dir(model)), EngineConfig(max_batch_tokens=65536, lanes=1))
             for tokens in (16384, 32768, 65536):
-                rows.append({"model": model, "attention": engine.attention, "tokens": tokens,
+                rows.append({"model": model, "attention": engine.attention_label, "tokens": tokens,
                              "batch": f"{tokens // length}x{length}", **steps_per_second(engine, tokens // length, length)})
             del engine
         except Exception as error:  # noqa: BLE001 - one model failing leaves the other

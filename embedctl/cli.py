@@ -161,7 +161,7 @@ def index(
             engine = Engine.load(spec, config)
             if verbose:
                 typer.echo(f"model {spec.files.name} on {engine.device} ({engine.dtype}), attention "
-                           f"{engine.attention}, dim {spec.dim}, max length {spec.max_length}, "
+                           f"{engine.attention_label}, dim {spec.dim}, max length {spec.max_length}, "
                            f"pooling {spec.pooling}", err=True)
             return engine
 

@@ -12,7 +12,8 @@ q heads (grouped-query attention: each k/v head serves heads // kv_heads consecu
   side plan() per batch, which the engine runs before launching or replaying the batch.
 - "triton": engine.triton_kernels.ragged_attention, our own kernel. CUDA only, head_dim 32, 64 or
   128, graph-capturable as varlen is.
-choose_backend() picks one per model; the rule and the measurements behind it are written there.
+choose_backend() picks one per model, and few_sequences_backend() one for graphs of a few sequences;
+the rules and the measurements behind them are written there.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from engine.errors import UserError
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 TRITON_HEAD_DIMS = (32, 64, 128)  # those measured and tested on the H200
+# Graphs of at most this many sequence slots may take another backend than the engine's (few_sequences_backend).
+FEW_SEQUENCES = 4
 
 
 class Attention(Protocol):
@@ -290,11 +293,11 @@ def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
       Triton is faster for a few sequences: 2.5 us against 5.9 for one 16-token query, 16 against
       20 at 5 x 512; BERT-base batch 1 at 16 / 128 / 512 tokens 0.450 / 0.480 / 0.581 ms against
       0.604 / 0.626 / 0.730 (run117, with 64-row tiles for a lone sequence: with 128 rows run115
-      had 0.663 / 0.805 at 128 / 512 against 0.538 / 0.726), so `--attention triton` suits a server
-      of single queries. The
+      had 0.663 / 0.805 at 128 / 512 against 0.538 / 0.726), so auto gives Triton to graphs of up to
+      four sequences (few_sequences_backend). The
       cross-encoder's 5 / 25 / 50 pairs: 2.11 / 6.90 / 11.78 ms against 2.01 / 6.60 / 11.28 (run117),
       and 2.42, 2.46 against 2.56, 2.66 for 5 pairs alternating (run115): no clear winner, so the
-      rule stays per head_dim.
+      model keeps FlashInfer.
     - head_dim 128 causal (Qwen3-0.6B, 16 heads, 8 k/v heads): fa3 139 us at one 4,096-token
       sequence (494 TFLOP/s), Triton 222, varlen 375; at 512 tokens 11.0 / 11.6 / 33.4.
     FlashInfer cannot run head_dim 32. Pass --attention to override.
@@ -323,3 +326,21 @@ def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
             return "flashinfer"
         return "triton" if head_dim in TRITON_HEAD_DIMS and triton_available() else "varlen"
     return requested
+
+
+def few_sequences_backend(requested: str, backend: str, head_dim: int, causal: bool) -> str:
+    """The backend for graphs of at most FEW_SEQUENCES slots (batches of up to 4 sequences; slots are
+    powers of two), given the model's (choose_backend).
+
+    Triton where "auto" chose FlashInfer for a bidirectional head_dim 64 model (BERT-base): for one
+    16-token query its kernel takes 2.5 us against fa3's 5.9 (bench/results/gpu-2026-12-01-run114-
+    triton-attention). BERT-base batch 1 at 16 / 128 / 512 tokens took 0.450 / 0.480 / 0.581 ms through Triton
+    against 0.604 / 0.626 / 0.730 through FlashInfer (run117). At 5 x 512 tokens (8 slots) the kernels
+    are close (16 against 20 us) and fa3 wins full batches (80 against 94 us at 32 x 512), so larger
+    graphs keep FlashInfer. Causal head_dim 128 (Qwen3) keeps it too: fa3 is faster there for one
+    sequence as well (11.0 against 11.6 us at 512 tokens, 139 against 222 at 4,096).
+    Otherwise the model's backend, and always the one the user asked for by name.
+    """
+    if requested == "auto" and backend == "flashinfer" and head_dim == 64 and not causal and triton_available():
+        return "triton"
+    return backend

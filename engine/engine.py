@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.attention import (Attention, AttentionLayout, FlashInferAttention, SdpaAttention, TritonAttention, VarlenAttention,
-                              choose_backend, triton_available)
+from engine.attention import (FEW_SEQUENCES, Attention, AttentionLayout, FlashInferAttention, SdpaAttention, TritonAttention,
+                              VarlenAttention, choose_backend, few_sequences_backend, triton_available)
 from engine.batch import Packer, PackedBatch
 from engine.checkpoint import load_weights, position_offset, resolve_model
 from engine.config import GPU_FP32, EngineConfig
@@ -59,6 +59,7 @@ class Engine:
         self.vector_dtype = spec.vector_dtype
         self.max_batch_tokens = config.batch_tokens(device, self.max_length)  # spec checked a user's budget
         self.attention = choose_backend(config.attention, device, model.head_dim)
+        self.few_sequences_attention = few_sequences_backend(config.attention, self.attention, model.head_dim, model.causal)
         self.prune = prunes_last_layer(self.pooling, model.causal)
         # Pooling, truncation and normalisation in one kernel (engine.triton_kernels.pool_normalize) on a GPU.
         self.pool_kernel = device.type == "cuda" and triton_available()
@@ -159,8 +160,16 @@ class Engine:
     def settings(self) -> dict[str, str]:
         return self.spec.settings()
 
+    @property
+    def attention_label(self) -> str:
+        """The attention backend as a person reads it: one name, or which one runs few sequences."""
+        if self.few_sequences_attention == self.attention:
+            return self.attention
+        return f"{self.attention} ({self.few_sequences_attention} for batches of up to {FEW_SEQUENCES} sequences)"
+
     def _make_attention(self, slots: int | None, lane: int) -> Attention:
-        if self.attention == "flashinfer":
+        backend = self.few_sequences_attention if slots is not None and slots <= FEW_SEQUENCES else self.attention
+        if backend == "flashinfer":
             if lane not in self._flashinfer_workspaces:
                 self._flashinfer_workspaces[lane] = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8,
                                                                 device=self.device)
@@ -168,7 +177,7 @@ class Engine:
                                        self._flashinfer_workspaces[lane], causal=self.model.causal, slots=slots,
                                        num_kv_heads=self.model.num_kv_heads, pooled=self.prune,
                                        max_tokens=min(bucket_for(self.max_batch_tokens), GRAPH_MAX_TOKENS))
-        if self.attention == "triton":
+        if backend == "triton":
             return TritonAttention(causal=self.model.causal)
         return VarlenAttention(causal=self.model.causal)
 

@@ -203,7 +203,7 @@ def test_every_possible_batch_has_a_graph_shape_for_warmup() -> None:
 
 def test_backend_choice_follows_the_device_and_refuses_what_cannot_run(monkeypatch) -> None:
     from engine import attention
-    from engine.attention import choose_backend
+    from engine.attention import choose_backend, few_sequences_backend
 
     cuda = torch.device("cuda")
     assert choose_backend("auto", torch.device("cpu"), 32) == "sdpa"
@@ -216,6 +216,13 @@ def test_backend_choice_follows_the_device_and_refuses_what_cannot_run(monkeypat
         assert choose_backend("auto", cuda, 128) == ("flashinfer" if flashinfer else fallback)
         assert choose_backend("auto", cuda, 80) == "varlen"
         assert choose_backend("auto", cuda, 256) == ("flashinfer" if flashinfer else "varlen")
+        # Graphs of a few sequences: Triton only where auto chose FlashInfer for a bidirectional head_dim 64 model.
+        few = "triton" if triton else "flashinfer"
+        assert few_sequences_backend("auto", "flashinfer", 64, causal=False) == few
+        assert few_sequences_backend("auto", "flashinfer", 64, causal=True) == "flashinfer"
+        assert few_sequences_backend("auto", "flashinfer", 128, causal=False) == "flashinfer"
+        assert few_sequences_backend("flashinfer", "flashinfer", 64, causal=False) == "flashinfer"
+        assert few_sequences_backend("auto", "varlen", 64, causal=False) == "varlen"
     monkeypatch.undo()
     with pytest.raises(UserError, match="needs a CUDA GPU"):
         choose_backend("varlen", torch.device("cpu"), 64)

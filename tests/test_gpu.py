@@ -241,18 +241,28 @@ def test_pool_normalize_equals_torch_pooling(hidden_size: int, dim: int | None, 
         torch.testing.assert_close(pool_normalize(hidden[rows], width, normalize), expected, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["varlen", "triton", pytest.param("flashinfer", marks=needs_flashinfer)])
+@pytest.mark.parametrize("backend", ["varlen", "triton", pytest.param("flashinfer", marks=needs_flashinfer),
+                                     pytest.param("auto", marks=needs_flashinfer)])
 def test_bert_base_shape_backends_equal_cpu_fp32(tmp_path, backend: str) -> None:
     path = save_random_model(tmp_path / "bert-base", pooling="mean", **BERT_BASE)
     rng = np.random.default_rng(1)
     sequences = [np.concatenate([[101], rng.integers(1000, 29000, n), [102]]) for n in (5, 510, 100, 62, 300, 1)]
     reference = Engine.load(str(path), EngineConfig(device="cpu")).embed(sequences)
-    # A budget that makes three batches, all in flight at once, on whichever lanes are free.
+    # A budget that makes three batches, all in flight at once, on whichever lanes are free; then
+    # the six sequences in one batch of 8 slots.
     engine = Engine.load(str(path), EngineConfig(attention=backend, max_batch_tokens=512))
-    assert engine.attention == backend
-    for _ in range(4):  # eager, then captures, then replays
-        assert cosine(engine.embed(sequences), reference).min() >= 0.999
-    assert engine.stats.replays >= 1
+    whole = Engine.load(str(path), EngineConfig(attention=backend))
+    for model in (engine, whole):
+        for _ in range(4):  # eager, then captures, then replays
+            assert cosine(model.embed(sequences), reference).min() >= 0.999
+        assert model.stats.replays >= 1
+    graph_attention = {type(graph.attention).__name__ for model in (engine, whole)
+                       for lane in model.runner.lanes for graph in lane.graphs.values()}
+    # auto: FlashInfer for the model, Triton for graphs of up to four sequences (few_sequences_backend).
+    expected = {"auto": {"TritonAttention", "FlashInferAttention"}, "flashinfer": {"FlashInferAttention"},
+                "triton": {"TritonAttention"}, "varlen": {"VarlenAttention"}}[backend]
+    assert graph_attention == expected
+    assert engine.attention == (backend if backend != "auto" else "flashinfer")
 
 
 @needs_flashinfer

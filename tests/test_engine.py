@@ -169,6 +169,19 @@ def test_padded_layout_puts_padding_in_a_spare_sequence() -> None:
     assert types.tolist() == [0] * 8
     assert seq_ids.tolist() == [0, 0, 0, 1, 1, 4, 4, 4]
     assert out[32:].tolist() == [0, 3, 5, 5, 5]
+    # A lone sequence after a larger batch in the same buffer: every entry is rewritten.
+    PackedBatch.of([[1] * 2000, [2] * 3000]).write_inputs(out := np.full(4 * 5120 + 3, -1, dtype=np.int32), 5120, 2)
+    PackedBatch.of([[7, 8, 9]], token_type_ids=[[0, 1, 1]]).write_inputs(out, tokens=4, slots=1)
+    assert out[:18].tolist() == [7, 8, 9, 0, 0, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 3]
+    # No padding at all, and positions past 1,024.
+    lengths = [1500, 700, 1]
+    batch = PackedBatch.of([np.arange(n) + 10 for n in lengths])
+    batch.write_inputs(out := np.full(4 * 2201 + 4, -1, dtype=np.int32), tokens=2201, slots=3)
+    ids, positions, types, seq_ids = out[: 4 * 2201].reshape(4, 2201)
+    assert positions.tolist() == [i for n in lengths for i in range(n)]
+    assert seq_ids.tolist() == [s for s, n in enumerate(lengths) for _ in range(n)]
+    assert ids.tolist() == (positions + 10).tolist() and not types.any()
+    assert out[4 * 2201:].tolist() == [0, 1500, 2200, 2201]
 
 
 def test_pooling_ignores_padding_tokens_and_empty_slots() -> None:

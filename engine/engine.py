@@ -117,7 +117,6 @@ class Engine:
         pooled = hidden.float() if self.prune else pool(hidden, seq_ids, cu_seqlens, self.pooling)
         return finish(pooled, self.config.dim, self.normalize, self.quantization)
 
-    @torch.inference_mode()
     def step(self, batch: PackedBatch) -> LazyTensor:
         """Enqueue one batch; the LazyTensor resolves to float32 [batch.num_seqs, dim] in batch order.
 
@@ -126,6 +125,12 @@ class Engine:
 
         For an int8 model (vector_dtype "int8") the values are whole numbers in [-127, 127]: cast them
         with astype(np.int8), which is exact."""
+        # torch.inference_mode through its C++ guard: the decorator's Python wrapper cost 3-4 us of a
+        # step's host time on the H200 host (bench/results/gpu-2026-12-01-run125-write-inputs).
+        with torch._C._InferenceMode(True):
+            return self._step(batch)
+
+    def _step(self, batch: PackedBatch) -> LazyTensor:
         if batch.max_seqlen > self.max_length:
             raise UserError(f"a sequence of {batch.max_seqlen} tokens is longer than the model's max length "
                             f"{self.max_length}; truncate it first")

@@ -31,7 +31,7 @@ from engine.errors import UserError
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 TRITON_HEAD_DIMS = (32, 64, 128)  # those measured and tested on the H200
-# Graphs of at most this many sequence slots may take another backend than the engine's (few_sequences_backend).
+# CUDA graphs of at most this many sequence slots may take another backend than the model's (few_sequences_backend).
 FEW_SEQUENCES = 4
 
 
@@ -295,9 +295,9 @@ def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
       0.604 / 0.626 / 0.730 (run117, with 64-row tiles for a lone sequence: with 128 rows run115
       had 0.663 / 0.805 at 128 / 512 against 0.538 / 0.726), so auto gives Triton to graphs of up to
       four sequences (few_sequences_backend). The
-      cross-encoder's 5 / 25 / 50 pairs: 2.11 / 6.90 / 11.78 ms against 2.01 / 6.60 / 11.28 (run117),
-      and 2.42, 2.46 against 2.56, 2.66 for 5 pairs alternating (run115): no clear winner, so the
-      model keeps FlashInfer.
+      cross-encoder's 5 / 25 / 50 pairs all through Triton: 2.11 / 6.90 / 11.78 ms against 2.01 / 6.60 /
+      11.28 (run117), and 2.42, 2.46 against 2.56, 2.66 for 5 pairs alternating (run115): no clear
+      winner for the model as a whole, so it keeps FlashInfer, and its graphs of a few pairs take Triton.
     - head_dim 128 causal (Qwen3-0.6B, 16 heads, 8 k/v heads): fa3 139 us at one 4,096-token
       sequence (494 TFLOP/s), Triton 222, varlen 375; at 512 tokens 11.0 / 11.6 / 33.4.
     FlashInfer cannot run head_dim 32. Pass --attention to override.
@@ -329,16 +329,19 @@ def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
 
 
 def few_sequences_backend(requested: str, backend: str, head_dim: int, causal: bool) -> str:
-    """The backend for graphs of at most FEW_SEQUENCES slots (batches of up to 4 sequences; slots are
-    powers of two), given the model's (choose_backend).
+    """The backend for CUDA graphs of at most FEW_SEQUENCES sequence slots, given the model's (choose_backend).
+    Batches that run eagerly (a shape's first hit, --eager) keep the model's backend.
 
     Triton where "auto" chose FlashInfer for a bidirectional head_dim 64 model (BERT-base): for one
     16-token query its kernel takes 2.5 us against fa3's 5.9 (bench/results/gpu-2026-12-01-run114-
-    triton-attention). BERT-base batch 1 at 16 / 128 / 512 tokens took 0.450 / 0.480 / 0.581 ms through Triton
-    against 0.604 / 0.626 / 0.730 through FlashInfer (run117). At 5 x 512 tokens (8 slots) the kernels
-    are close (16 against 20 us) and fa3 wins full batches (80 against 94 us at 32 x 512), so larger
-    graphs keep FlashInfer. Causal head_dim 128 (Qwen3) keeps it too: fa3 is faster there for one
-    sequence as well (11.0 against 11.6 us at 512 tokens, 139 against 222 at 4,096).
+    triton-attention). BERT-base batch 1 at 16 / 128 / 512 tokens took 0.450 / 0.480 / 0.581 ms through
+    Triton against 0.604 / 0.626 / 0.730 through FlashInfer (run117), and 0.389 / 0.458 / 0.577 through
+    this rule against 0.490 / 0.481 / 0.619 (run123); a BERT-base cross-encoder, whose reranking steps
+    are mostly of one or two pairs, 1.94 / 6.68 / 10.93 ms for 5 / 25 / 50 pairs against 2.01 / 6.60 /
+    11.17 (run123). At 5 x 512 tokens (8 slots) the kernels are close (16 against 20 us) and fa3 wins
+    full batches (80 against 94 us at 32 x 512), so larger graphs keep FlashInfer. Every other model
+    keeps it too: fa3 is faster for one causal head_dim 128 sequence as well (Qwen3: 11.0 against 11.6 us
+    at 512 tokens, 139 against 222 at 4,096), and other shapes have not been measured.
     Otherwise the model's backend, and always the one the user asked for by name.
     """
     if requested == "auto" and backend == "flashinfer" and head_dim == 64 and not causal and triton_available():

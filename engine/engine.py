@@ -15,13 +15,13 @@ model's prompts are in files.prompts).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from engine.attention import (FEW_SEQUENCES, Attention, AttentionLayout, FlashInferAttention, SdpaAttention, TritonAttention,
-                              VarlenAttention, choose_backend, few_sequences_backend, triton_available)
+from engine.attention import (FEW_SEQUENCES, Attention, AttentionLayout, FlashInferAttention, SdpaAttention,
+                              TritonAttention, VarlenAttention, choose_backend, few_sequences_backend, triton_available)
 from engine.batch import Packer, PackedBatch
 from engine.checkpoint import load_weights, position_offset, resolve_model
 from engine.config import GPU_FP32, EngineConfig
@@ -59,10 +59,15 @@ class Engine:
         self.vector_dtype = spec.vector_dtype
         self.max_batch_tokens = config.batch_tokens(device, self.max_length)  # spec checked a user's budget
         self.attention = choose_backend(config.attention, device, model.head_dim)
-        self.few_sequences_attention = few_sequences_backend(config.attention, self.attention, model.head_dim, model.causal)
+        self.few_sequences_attention = few_sequences_backend(config.attention, self.attention, model.head_dim,
+                                                             model.causal)
         self.prune = prunes_last_layer(self.pooling, model.causal)
-        # Pooling, truncation and normalisation in one kernel (engine.triton_kernels.pool_normalize) on a GPU.
-        self.pool_kernel = device.type == "cuda" and triton_available()
+        # Pooling, truncation and normalisation in one kernel on a GPU; engine.pooling's torch ops elsewhere.
+        self.pool_kernel: Callable[..., torch.Tensor] | None = None
+        if device.type == "cuda" and triton_available():
+            from engine.triton_kernels import pool_normalize
+
+            self.pool_kernel = pool_normalize
         self.runner: GraphRunner | None = None
         self._flashinfer_workspaces: dict[int, torch.Tensor] = {}  # per lane: batches on several lanes run at once
         if device.type == "cuda":
@@ -104,18 +109,15 @@ class Engine:
         rows = pooled_rows(cu_seqlens, self.pooling, tokens) if self.pooling != "mean" else None
         # Pruned, the model gives the pooled rows themselves, one per sequence.
         hidden = self.model(input_ids, positions, token_types, attention, rows if self.prune else None)
-        if self.num_labels:
-            pooled = hidden.float() if self.prune else pool(hidden, seq_ids, cu_seqlens, self.pooling)
-            logits = self.model.classify(pooled.to(self.dtype)).float()
-            return torch.sigmoid(logits) if self.sigmoid else logits
-        if self.pool_kernel:
-            from engine.triton_kernels import pool_normalize
-
-            vectors = pool_normalize(hidden, self.dim, self.normalize, cu_seqlens if rows is None else None,
-                                     None if self.prune else rows)
+        if self.pool_kernel is not None and not self.num_labels:
+            vectors = self.pool_kernel(hidden, self.dim, self.normalize, cu_seqlens if rows is None else None,
+                                       None if self.prune else rows)
             return finish(vectors, None, False, self.quantization)
         pooled = hidden.float() if self.prune else pool(hidden, seq_ids, cu_seqlens, self.pooling)
-        return finish(pooled, self.config.dim, self.normalize, self.quantization)
+        if self.num_labels:
+            logits = self.model.classify(pooled.to(self.dtype)).float()
+            return torch.sigmoid(logits) if self.sigmoid else logits
+        return finish(pooled, self.dim, self.normalize, self.quantization)
 
     def step(self, batch: PackedBatch) -> LazyTensor:
         """Enqueue one batch; the LazyTensor resolves to float32 [batch.num_seqs, dim] in batch order.
@@ -167,10 +169,10 @@ class Engine:
 
     @property
     def attention_label(self) -> str:
-        """The attention backend as a person reads it: one name, or which one runs few sequences."""
-        if self.few_sequences_attention == self.attention:
+        """The attention backend as a person reads it: one name, or also the one graphs of a few sequences run."""
+        if self.few_sequences_attention == self.attention or not self.config.cuda_graphs:
             return self.attention
-        return f"{self.attention} ({self.few_sequences_attention} for batches of up to {FEW_SEQUENCES} sequences)"
+        return f"{self.attention} ({self.few_sequences_attention} in graphs of up to {FEW_SEQUENCES} sequences)"
 
     def _make_attention(self, slots: int | None, lane: int) -> Attention:
         backend = self.few_sequences_attention if slots is not None and slots <= FEW_SEQUENCES else self.attention

@@ -15,15 +15,18 @@ from typing import Any
 import numpy as np
 
 
-_count = np.arange(0, dtype=np.int32)
+_count = np.empty(0, dtype=np.int32)
 
 
 def _counting(n: int) -> np.ndarray:
-    """0, 1, ..., n - 1 as int32, a view of one array kept across calls (grown when too short)."""
+    """0, 1, ..., n - 1 as int32, a read-only view of one array kept across calls (grown when too short)."""
     global _count
-    if len(_count) < n:
-        _count = np.arange(max(n, 2 * len(_count), 1024), dtype=np.int32)
-    return _count[:n]
+    count = _count  # one read: another thread may grow it meanwhile
+    if len(count) < n:
+        count = np.arange(max(n, 2 * len(count), 1024), dtype=np.int32)
+        count.flags.writeable = False
+        _count = count
+    return count[:n]
 
 
 @dataclass(frozen=True)

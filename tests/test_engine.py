@@ -184,6 +184,26 @@ def test_padded_layout_puts_padding_in_a_spare_sequence() -> None:
     assert out[4 * 2201:].tolist() == [0, 1500, 2200, 2201]
 
 
+def test_collection_stays_off_until_the_last_capture_ends_and_as_it_was_after() -> None:
+    import gc
+
+    from engine.graphs import _no_collection
+
+    assert gc.isenabled()
+    with _no_collection:
+        with _no_collection:  # a second capture, on another thread, overlapping the first
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()  # a caller who turned collection off keeps it off
+    try:
+        with _no_collection:
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_pooling_ignores_padding_tokens_and_empty_slots() -> None:
     hidden = torch.randn(8, 3)
     seq_ids = torch.tensor([0, 0, 0, 1, 1, 3, 3, 3])

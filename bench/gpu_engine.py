@@ -312,7 +312,7 @@ KERNEL_CLASSES = (("attention", ("flash", "fmha", "prefill", "attention")),
                   ("layer_norm", ("layer_norm",)),
                   ("gelu", ("gelu",)),
                   ("copy", ("memcpy", "copy")),
-                  ("index/pool", ("index", "scatter", "gather")))
+                  ("index/pool", ("index", "scatter", "gather", "pool")))
 
 
 def profile_suite(engine: Engine, ids: list[np.ndarray]) -> dict:

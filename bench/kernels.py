@@ -9,8 +9,8 @@ and cosine next to its time, so a fast but wrong kernel shows):
   attention_causal_long  Qwen3-0.6B causal GQA attention at 4,096 / 512 / 128 tokens, with TFLOP/s
   attention_triton       engine.triton_kernels.ragged_attention per tile config against varlen_attn,
                          FlashInfer and dense SDPA, at MiniLM's, BERT-base's and Qwen3's shapes
-  pooling                mean / last-token pooling with truncation and L2 norm: engine.pooling's torch ops
-                         against engine.triton_kernels.pool_normalize per rows-at-once setting
+  pooling                mean / last-token pooling and L2 norm: engine.pooling's torch ops against
+                         engine.triton_kernels.pool_normalize per block (elements loaded at once, warps)
   qwen3_gemms            Qwen3-0.6B's four GEMMs per layer at 128 to 16,384 tokens, with TFLOP/s
   qwen3_elementwise      Qwen3's SwiGLU and q/k norm + rotary: compiled as the engine does, static, eager, FlashInfer
   qwen3_residual         Qwen3's output GEMMs with the residual added by the GEMM (addmm_) then RMSNorm,
@@ -356,10 +356,11 @@ def attention_triton(repeats: int) -> list[Row]:
             + attention_rows(((1, 4096), (1, 512)), 16, 8, 128, True, fa3, False, repeats, triton=True))
 
 
-# ---- 5. Qwen3 GEMMs -------------------------------------------------------------------------------
+# ---- 4b. pooling ----------------------------------------------------------------------------------
 
 POOLING_SHAPES = ((1, 16), (1, 512), (64, 256), (32, 512), (128, 128))
-POOL_BLOCKS = ((8192, 4), (16384, 8), (32768, 8))  # (elements, warps): engine.triton_kernels' short and long blocks among them
+# (elements, warps): engine.triton_kernels' short and long blocks, and one between them.
+POOL_BLOCKS = ((8192, 4), (16384, 8), (32768, 8))
 
 
 def pooling(repeats: int) -> list[Row]:
@@ -377,11 +378,12 @@ def pooling(repeats: int) -> list[Row]:
             shape = f"H={hidden_size} {seqs}x{length}"
             for mode in ("mean", "last"):
                 reference = finish(pool(hidden.float(), seq_ids, cu, mode), None, True)
-                candidates: dict[str, Callable[[], Call]] = {
-                    f"{mode} torch (engine.pooling)": lambda mode=mode: lambda: finish(pool(hidden, seq_ids, cu, mode), None, True)}
+                torch_ops = lambda mode=mode: lambda: finish(pool(hidden, seq_ids, cu, mode), None, True)  # noqa: E731
+                candidates: dict[str, Callable[[], Call]] = {f"{mode} torch (engine.pooling)": torch_ops}
                 if mode == "mean":
                     for block in (None, *POOL_BLOCKS):
-                        label = f"{mode} pool_normalize " + (f"{block[0]} w{block[1]}" if block else "(the engine's block)")
+                        name = f"{block[0]} w{block[1]}" if block else "(the engine's block)"
+                        label = f"{mode} pool_normalize {name}"
                         candidates[label] = lambda block=block: functools.partial(
                             pool_normalize, hidden, hidden_size, True, cu_seqlens=cu, block=block)
                 else:
@@ -391,6 +393,8 @@ def pooling(repeats: int) -> list[Row]:
                     rows.append(run_candidate(shape, name, build, reference, repeats))
     return rows
 
+
+# ---- 5. Qwen3 GEMMs -------------------------------------------------------------------------------
 
 def qwen3_gemms(repeats: int) -> list[Row]:
     rows: list[Row] = []

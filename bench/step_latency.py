@@ -92,7 +92,7 @@ def worker(job: dict) -> None:
     out: dict = {"engine": str(Path(engine.__file__).parent), "latency": {}, "profile": {}}
     for name, path in job["models"].items():
         model = Engine.load(path, EngineConfig(attention=job["attention"]))
-        out["attention " + name] = model.attention
+        out["attention " + name] = getattr(model, "attention_label", model.attention)  # older trees lack the label
         for tokens in POINTS[name]:
             batch = PackedBatch.of([rng.integers(1000, 29000, tokens).astype(np.int32)])
             out["latency"][f"{name} {tokens}"] = percentiles(

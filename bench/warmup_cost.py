@@ -78,7 +78,7 @@ def load(path: str, warmup: bool) -> dict:
     if gpu:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "attention": engine.attention, "graphs": engine.stats.captures,
+    return {"seconds": seconds, "attention": engine.attention_label, "graphs": engine.stats.captures,
             "capture_seconds": engine.stats.capture_seconds,
             "device_gib": torch.cuda.memory_reserved() / 2**30 if gpu else 0.0, "host_rss_gib": resident_bytes() / 2**30}
 

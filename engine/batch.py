@@ -7,6 +7,7 @@ latency tracks token count, and sequences leave in the order they arrived.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -84,9 +85,8 @@ class PackedBatch:
     def of(cls, sequences: Sequence[Sequence[int]], tags: Sequence[Any] | None = None,
            token_type_ids: Sequence[Sequence[int]] | None = None) -> PackedBatch:
         """Pack the given sequences, in order, into one batch."""
-        lengths = [len(s) for s in sequences]
-        cu_seqlens = np.zeros(len(sequences) + 1, dtype=np.int32)
-        np.cumsum(lengths, out=cu_seqlens[1:])
+        # Summed in Python: np.cumsum converts the list first, 6 us for one sequence against under 1.
+        cu_seqlens = np.array([0, *itertools.accumulate(len(s) for s in sequences)], dtype=np.int32)
         input_ids = np.concatenate([np.asarray(s, dtype=np.int32) for s in sequences]) if sequences else \
             np.zeros(0, dtype=np.int32)
         if token_type_ids is None:

@@ -289,15 +289,11 @@ def choose_backend(requested: str, device: torch.device, head_dim: int) -> str:
       at 128 x 128, 62 / 85 at 32 x 512, 2.4 / 5.8 for one 16-token query. MiniLM on the corpus,
       model-only, 13.5M tok/s against 11.6M; batch 1 at 16 tokens 0.259 ms against 0.288 (run116).
     - head_dim 64 (BERT-base): FlashInfer's fa3 is faster at full batches (80 us against 94 at
-      32 x 512; BERT-base model-only 2.58M tok/s against 2.45M, run115), which is what index runs.
-      Triton is faster for a few sequences: 2.5 us against 5.9 for one 16-token query, 16 against
-      20 at 5 x 512; BERT-base batch 1 at 16 / 128 / 512 tokens 0.450 / 0.480 / 0.581 ms against
-      0.604 / 0.626 / 0.730 (run117, with 64-row tiles for a lone sequence: with 128 rows run115
-      had 0.663 / 0.805 at 128 / 512 against 0.538 / 0.726), so auto gives Triton to graphs of up to
-      four sequences (few_sequences_backend). The
-      cross-encoder's 5 / 25 / 50 pairs all through Triton: 2.11 / 6.90 / 11.78 ms against 2.01 / 6.60 /
-      11.28 (run117), and 2.42, 2.46 against 2.56, 2.66 for 5 pairs alternating (run115): no clear
-      winner for the model as a whole, so it keeps FlashInfer, and its graphs of a few pairs take Triton.
+      32 x 512; BERT-base model-only 2.58M tok/s against 2.45M, run115), which is what index runs;
+      Triton is faster for a few sequences, which few_sequences_backend gives it, with its figures.
+      The cross-encoder's 5 / 25 / 50 pairs all through Triton: 2.11 / 6.90 / 11.78 ms against
+      2.01 / 6.60 / 11.28 (run117), and 2.42, 2.46 against 2.56, 2.66 for 5 pairs alternating
+      (run115): no clear winner for the model as a whole, so it keeps FlashInfer.
     - head_dim 128 causal (Qwen3-0.6B, 16 heads, 8 k/v heads): fa3 139 us at one 4,096-token
       sequence (494 TFLOP/s), Triton 222, varlen 375; at 512 tokens 11.0 / 11.6 / 33.4.
     FlashInfer cannot run head_dim 32. Pass --attention to override.

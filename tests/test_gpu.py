@@ -69,7 +69,7 @@ def test_graph_replay_equals_eager(minilm_dir, texts) -> None:
 def test_matryoshka_dim_on_the_gpu_equals_the_cpu(minilm_dir, texts) -> None:
     gpu = Engine.load(str(minilm_dir), EngineConfig(dim=100))
     cpu = Engine.load(str(minilm_dir), EngineConfig(device="cpu", dim=100))
-    sequences = embedctl.load(str(minilm_dir), device="cpu").tokenizer.encode(texts).ids
+    sequences = embedctl.Embedder(cpu).tokenizer.encode(texts).ids
     expected = cpu.embed(sequences)
     for _ in range(3):  # eager, capture, replay
         vectors = gpu.embed(sequences)
@@ -137,10 +137,10 @@ def test_warmup_captures_every_bucket(minilm_dir, texts) -> None:
     assert model.engine.stats.eager_runs == 0 and model.engine.stats.replays > 0
 
 
-def test_no_garbage_collection_runs_while_a_graph_captures(minilm_dir, texts) -> None:
+def test_no_garbage_collection_runs_while_a_graph_captures(minilm_dir, texts, cpu_minilm) -> None:
     # Collecting an engine dropped earlier destroys its graphs, which CUDA refuses during a capture, failing it.
     engine = Engine.load(str(minilm_dir))
-    batch = PackedBatch.of(embedctl.load(str(minilm_dir), device="cpu").tokenizer.encode(texts[:8]).ids)
+    batch = PackedBatch.of(embedctl.Embedder(cpu_minilm).tokenizer.encode(texts[:8]).ids)
     capturing: list[bool] = []
 
     def record(phase: str, info: dict) -> None:

@@ -24,6 +24,7 @@ import fsspec
 
 from engine.errors import UserError, short_reason
 from pipelines.progress import plural
+from pipelines.readers import id_text
 
 CUTOFF = 10
 EXAMPLES = 3  # judged documents missing from the ranked set named in the warning
@@ -111,7 +112,7 @@ def _parse(path: str, number: int, line: str) -> tuple[str, str, int]:
     if line.lstrip().startswith("{"):
         try:
             row = json.loads(line)
-            return str(row["query_id"]), str(row["doc_id"]), _json_relevance(row.get("relevance", 1))
+            return _json_id(row["query_id"]), _json_id(row["doc_id"]), _json_relevance(row.get("relevance", 1))
         except (ValueError, KeyError, TypeError):
             raise UserError(f"--qrels {path} line {number}: not a JSON object with query_id, doc_id and an integer "
                             "relevance; fix the line") from None
@@ -120,6 +121,15 @@ def _parse(path: str, number: int, line: str) -> tuple[str, str, int]:
         raise UserError(f"--qrels {path} line {number}: expected 'query_id iteration doc_id relevance' "
                         f"with an integer relevance, got {line.strip()[:80]!r}; fix the line")
     return fields[0], fields[2], int(fields[3])
+
+
+def _json_id(value: object) -> str:
+    """A JSON id as the corpus readers read one (pipelines.readers.id_text): 10.0 is document "10" there,
+    so it must be here. A value that names no row raises: an object or list (TypeError), a boolean or
+    NaN (id_text's ValueError)."""
+    if not isinstance(value, (str, int, float)):
+        raise TypeError(value)
+    return id_text(value)
 
 
 def _json_relevance(value: object) -> int:

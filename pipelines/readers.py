@@ -176,7 +176,7 @@ class CorpusReader:
             except pa.ArrowInvalid as error:
                 raise UserError(f"{f.shown}: {self.id_col} does not read as text ({short_reason(error)}); "
                                 "store ids as UTF-8 strings or numbers") from None
-            except _BadId as bad:
+            except BadId as bad:
                 raise UserError(f"{f.shown} row {lines[bad.index]}: {self.id_col} is {bad}, which names no row; "
                                 "store ids as strings or finite numbers, or pass --id-col naming the id column") \
                     from None
@@ -282,12 +282,12 @@ class CorpusReader:
         value = row[self.id_col]
         if value == "":
             raise UserError(f"{f.shown} line {number}: {self.id_col} is empty; {_JSONL_ID_FIX}")
-        if not isinstance(value, (str, int, float)):  # a boolean passes, as an int, to _id_text
+        if not isinstance(value, (str, int, float)):  # a boolean passes, as an int, to id_text
             raise UserError(f"{f.shown} line {number}: {self.id_col} is {_kind(value)}, not a string or number; "
                             f"{_JSONL_ID_FIX}")
         try:
-            return _id_text(value)
-        except _BadId as bad:
+            return id_text(value)
+        except BadId as bad:
             raise UserError(f"{f.shown} line {number}: {self.id_col} is {bad}, which names no row; "
                             "store ids as strings or finite numbers, or pass --id-col naming the id key") from None
 
@@ -355,8 +355,8 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
 
 
 def _parquet_ids(ids: pa.Array) -> list[str]:
-    """An id column as text: numbers by _id_text, as in JSONL; strings, binary, dates and integers by
-    Arrow's cast, which writes integers as _id_text does without a Python call per row."""
+    """An id column as text: numbers by id_text, as in JSONL; strings, binary, dates and integers by
+    Arrow's cast, which writes integers as id_text does without a Python call per row."""
     kind = ids.type
     if not (pa.types.is_floating(kind) or pa.types.is_decimal(kind) or pa.types.is_boolean(kind)):
         return ids.cast(pa.string()).to_pylist()
@@ -366,21 +366,21 @@ def _parquet_ids(ids: pa.Array) -> list[str]:
     texts = []
     for index, value in enumerate(ids.to_pylist()):
         try:
-            texts.append(_id_text(value))
-        except _BadId as bad:
+            texts.append(id_text(value))
+        except BadId as bad:
             bad.index = index
             raise
     return texts
 
 
-class _BadId(ValueError):
+class BadId(ValueError):
     """An id value that cannot name a row: a boolean (a mislabelled column), NaN or an infinity.
     index: its position in the column it came from, where there is one."""
 
     index = 0
 
 
-def _id_text(value: str | int | float | Decimal) -> str:
+def id_text(value: str | int | float | Decimal) -> str:
     """An id as text. A number gets the same text from a JSONL line as from a Parquet column, so that
     re-indexing a corpus exported in the other format matches the same rows (incremental indexing keys on id).
 
@@ -389,16 +389,16 @@ def _id_text(value: str | int | float | Decimal) -> str:
     column with a null; JavaScript has no integers), and Arrow already wrote whole Parquet floats so (below 1e16).
     Other numbers take Python's shortest text that reads back as the same double ("0.5", "1e-07"); a
     decimal keeps its own digits less trailing zeros ("1.5" for 1.50), which is the double's text too
-    for up to 15 significant digits, and keeps longer decimal ids apart. _BadId for a boolean, NaN or an
+    for up to 15 significant digits, and keeps longer decimal ids apart. BadId for a boolean, NaN or an
     infinity: NaN equals no other id, and all three come from a column that holds no ids.
     """
     if isinstance(value, str):
         return value
     if isinstance(value, bool):
-        raise _BadId(json.dumps(value))
+        raise BadId(json.dumps(value))
     finite = value.is_finite() if isinstance(value, Decimal) else not isinstance(value, float) or math.isfinite(value)
     if not finite:
-        raise _BadId(str(value))
+        raise BadId(str(value))
     if isinstance(value, Decimal):
         if value != value.to_integral_value():
             return format(value.normalize(), "f")

@@ -243,6 +243,15 @@ def test_jsonl_qrels_read_like_trec(tmp_path: Path) -> None:
     assert read_qrels(str(tmp_path / "qrels.jsonl"), ["q1", "q2"]) == {"q1": {"a": 2}, "q2": {"b": 1}}
 
 
+def test_jsonl_qrels_read_number_ids_as_the_corpus_readers_do(tmp_path: Path) -> None:
+    # A corpus row {"id": 10.0} is document "10", so a judgement naming doc_id 10.0 must judge it.
+    write_jsonl(tmp_path / "qrels.jsonl", [{"query_id": 1, "doc_id": 10.0, "relevance": 1}, {"query_id": 2.0, "doc_id": 20}])
+    assert read_qrels(str(tmp_path / "qrels.jsonl"), ["1", "2"]) == {"1": {"10": 1}, "2": {"20": 1}}
+    write_jsonl(tmp_path / "bad.jsonl", [{"query_id": True, "doc_id": "a"}])
+    with pytest.raises(UserError, match="bad.jsonl line 1: not a JSON object with query_id, doc_id"):
+        read_qrels(str(tmp_path / "bad.jsonl"), ["1"])
+
+
 @pytest.mark.parametrize("name, text", [("qrels.txt", "q1 0 a 2\n"), ("qrels.jsonl", '{"query_id": "q1", "doc_id": "a", "relevance": 2}\n')])
 def test_qrels_starting_with_a_byte_order_mark_read_as_without(tmp_path: Path, name: str, text: str) -> None:
     (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())  # as Windows editors save UTF-8

@@ -29,6 +29,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import torch
@@ -41,7 +42,7 @@ from pipelines.qrels import CUTOFF, Metrics, Qrels, evaluate, read_qrels
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
-from pipelines.writers import database_tables
+from pipelines.writers import database_tables, table_parts
 
 FORMATS = ("jsonl", "trec")
 TREC_RUN_TAG = "embedctl"
@@ -219,7 +220,10 @@ class StoredVectors:
             else:
                 import pyarrow.dataset
 
-                self._dataset = pyarrow.dataset.dataset(path, format="parquet")
+                fs, root = fsspec.core.url_to_fs(path)
+                # A directory's parts only: other files beside them (a README) are not the table's, as for the writer.
+                parts = table_parts(fs, root) if fs.isdir(root) else root
+                self._dataset = pyarrow.dataset.dataset(parts, format="parquet", filesystem=fs)
                 schema, self.total_rows = self._dataset.schema, self._dataset.count_rows()
         except (ValueError, OSError, RuntimeError) as error:  # lance raises RuntimeError for a store it cannot reach
             raise UserError(f"cannot open {shown} ({short_reason(error)}); give a table written by "
@@ -259,7 +263,8 @@ class StoredVectors:
     def chunks(self, rows: int) -> Iterator[tuple[list[str], np.ndarray]]:
         for batch in self._batches(["id", "vector"], rows):
             if batch.num_rows:
-                vectors = batch.column("vector").values.to_numpy(zero_copy_only=False)
+                # flatten(), not .values: a batch may be a slice of a larger list array (Parquet's row groups)
+                vectors = batch.column("vector").flatten().to_numpy(zero_copy_only=False)
                 yield batch.column("id").to_pylist(), vectors.reshape(batch.num_rows, -1)
 
     def _batches(self, columns: list[str], rows: int) -> Iterator[pa.RecordBatch]:
@@ -324,6 +329,9 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
                 if doc_id in seen:
                     raise UserError(f"--index {docs.path}: duplicate document id {doc_id!r}; rebuild the table with "
                                     "`embedctl index --rebuild` from documents with unique ids")
+                if options.format == "trec" and _WHITESPACE.search(doc_id):
+                    raise UserError(f"--index {docs.path}: document id {doc_id!r} holds whitespace, which a TREC run "
+                                    "cannot; use --format jsonl or ids without whitespace")
                 seen.add(doc_id)
             doc_ids.extend(ids)
             top.add(_unit(torch.tensor(vectors, device=engine.device), normalized=False))

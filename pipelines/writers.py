@@ -138,6 +138,13 @@ def _locate(out: str) -> tuple[fsspec.AbstractFileSystem, str, bool]:
     return fs, path, is_dir
 
 
+def table_parts(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+    """The files of a directory of Parquet parts written by embedctl, in the order they were committed:
+    its *.parquet files but those not yet committed; other files in it are not the table's."""
+    files = [p for p in fs.ls(path, detail=False) if p.endswith(".parquet") and not posixpath.basename(p).startswith(_TMP)]
+    return sorted(files, key=lambda p: (_part_number(p), p))
+
+
 def database_tables(folder: str) -> list[str]:
     """The LanceDB tables in folder, a local path or fsspec URL (its NAME.lance folders), sorted; none where
     it holds none, is no folder or cannot be listed."""
@@ -317,9 +324,7 @@ class _ParquetDirStore:
         return self._fs.ls(path, detail=False) if self._fs.isdir(path) else []
 
     def _parts(self, path: str) -> list[str]:
-        """The table's files in path, in the order they were committed."""
-        files = [p for p in self._listing(path) if p.endswith(".parquet") and not posixpath.basename(p).startswith(_TMP)]
-        return sorted(files, key=lambda p: (_part_number(p), p))
+        return table_parts(self._fs, path) if self._fs.isdir(path) else []
 
     def write(self, batch: pa.RecordBatch) -> None:
         for group in self._groups.add(batch):

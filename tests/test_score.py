@@ -562,6 +562,40 @@ def test_index_table_with_a_repeated_id_is_refused(sample_table: Path, tmp_path:
         rank(model.engine, model.tokenizer, inputs.queries, inputs.table, options)
 
 
+def test_a_directory_of_parquet_parts_ranks_like_the_lance_table(sample_table: Path, sample_ranking: tuple[Queries, Ranking],
+                                                                   tmp_path: Path, model: Embedder) -> None:
+    # Row groups of 128 rows read in chunks of 50, so most batches are slices of their group's vectors;
+    # and a file beside the parts that is not the table's, which index leaves there too.
+    import lancedb
+
+    table = lancedb.connect(str(sample_table.parent)).open_table("vectors").to_arrow()
+    parts = tmp_path / "vectors"
+    parts.mkdir()
+    pq.write_table(table.slice(0, 200), parts / "part-00000.parquet", row_group_size=128)
+    pq.write_table(table.slice(200), parts / "part-00001.parquet", row_group_size=128)
+    (parts / "README.md").write_text("notes kept beside the table\n")
+    options = ScoreOptions(queries=str(QUERIES), index=f"{parts}/", top_k=3, chunk_rows=50)
+    ranked = rank(model.engine, model.tokenizer, open_inputs(options).queries, open_inputs(options).table, options)
+    queries, ranking = sample_ranking
+    assert ranked.doc_ids == ranking.doc_ids and ranked.documents == 300
+    np.testing.assert_allclose(ranked.scores, ranking.scores, atol=1e-5)
+
+
+def test_a_trec_run_from_a_table_refuses_an_id_holding_whitespace(sample_table: Path, tmp_path: Path,
+                                                                   model: Embedder) -> None:
+    import lancedb
+
+    table = lancedb.connect(str(sample_table.parent)).open_table("vectors").to_arrow()
+    ids = table.column("id").to_pylist()
+    ids[5] = "doc 5"
+    spaced = tmp_path / "spaced.parquet"
+    pq.write_table(table.set_column(table.schema.get_field_index("id"), "id", pa.array(ids)), spaced)
+    options = ScoreOptions(queries=str(QUERIES), index=str(spaced), format="trec")
+    inputs = open_inputs(options)
+    with pytest.raises(UserError, match="document id 'doc 5' holds whitespace, which a TREC run cannot"):
+        rank(model.engine, model.tokenizer, inputs.queries, inputs.table, options)
+
+
 def test_score_against_a_table_embeds_queries_with_the_tables_settings(tmp_path: Path, minilm_dir: Path) -> None:
     # A table indexed with --dim and --max-length, scored with no flags but the model: the queries
     # are embedded as its documents were, so the run equals one made in process with those settings.

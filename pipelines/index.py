@@ -249,6 +249,10 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
         flow.consume(records, store)
         _embed(model, tokenized, flow)
         flow.finish()
+        if not source and store.replaced:
+            raise UserError(f"the source holds no rows with text, so --rebuild would replace the "
+                            f"{plural(len(store.replaced), 'row')} stored in {options.out} with none; check the "
+                            "source (an empty export?), or remove the output to start it empty")
         if not source and (options.prune or emptied) and store.existing:
             doomed = len(store.existing) if options.prune else len(emptied)
             cause = "--prune" if options.prune else "their empty texts"

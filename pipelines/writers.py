@@ -68,6 +68,7 @@ def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
 
 class VectorStore(Protocol):
     existing: dict[str, str]  # id -> content_key of every row committed before this run
+    replaced: set[str]  # with rebuild, the ids of the output the replacement takes the place of; else empty
 
     def write(self, batch: pa.RecordBatch) -> None: ...
 
@@ -230,7 +231,9 @@ class _LanceStore:
         self._target = name
         if self._table is not None:
             _refuse_foreign(shown, self._table.schema)
+        self.replaced: set[str] = set()
         if self._table is not None and rebuild:
+            self.replaced = set(self._table.to_lance().to_table(columns=["id"]).column("id").to_pylist())
             self._target = f".{name}{_REBUILD}"
             self._table = self._open(self._target)
             if self._table is not None and _incompatibility(self._table.schema, schema) is not None:
@@ -282,7 +285,7 @@ class _LanceStore:
                 rows = self._table.to_lance().scanner().to_reader()
                 self._db.create_table(self._name, data=rows, schema=self._schema, mode="overwrite")
                 self._db.drop_table(self._target)
-        return len(gone)
+        return len(self.replaced - source.keys()) if replace else len(gone)
 
     def abort(self) -> None:
         self._groups.take()
@@ -298,10 +301,14 @@ class _ParquetDirStore:
         self._path = path
         with _io_errors(shown):
             # A rebuild may replace a part no one can read (a killed run's, most likely); not someone else's data.
-            schemas = [_readable_schema(fs, part, shown, rebuild) for part in self._parts(path)]
+            old_parts = self._parts(path)
+            schemas = [_readable_schema(fs, part, shown, rebuild) for part in old_parts]
             for old in schemas:
                 _refuse_foreign(shown, old)
+            self.replaced: set[str] = set()
             if schemas and rebuild:
+                self.replaced = {row_id for part, old in zip(old_parts, schemas) if old is not None
+                                 for row_id in pq.read_table(part, columns=["id"], filesystem=fs).column("id").to_pylist()}
                 self._path = posixpath.join(path, _REBUILD)
                 if any(_incompatibility(_read_schema(fs, p, shown), schema) for p in self._parts(self._path)):
                     fs.rm(self._path, recursive=True)  # a rebuild for other settings, left by a killed run
@@ -353,7 +360,7 @@ class _ParquetDirStore:
                     _replace(self._fs, part, pq.read_table(part, filesystem=self._fs).filter(pa.array(stays)))
             if replace:
                 self._swap_in()
-        return len(survivors.deleted)
+        return len(self.replaced - source.keys()) if replace else len(survivors.deleted)
 
     def _swap_in(self) -> None:
         """Move the staged parts into the directory, numbered after the old ones, then remove the old ones.
@@ -386,6 +393,9 @@ class _ParquetFileStore:
             old_schema = _readable_schema(fs, path, shown, rebuild) if exists else None
             _refuse_foreign(shown, old_schema)
             self._old = exists and not rebuild
+            self.replaced: set[str] = set()
+            if exists and rebuild and old_schema is not None:
+                self.replaced = set(pq.read_table(path, columns=["id"], filesystem=fs).column("id").to_pylist())
             self._stored: tuple[list[str], list[str]] = ([], [])  # id and content_key of the old rows, in order
             if self._old:
                 _check_compatible(shown, old_schema, schema)
@@ -424,7 +434,7 @@ class _ParquetFileStore:
             self._sink.close()
             self._fs.mv(self._tmp, self._path)
         self._closed = True
-        return len(survivors.deleted)
+        return len(self.replaced - source.keys()) if self.replaced else len(survivors.deleted)
 
     def abort(self) -> None:
         if self._closed:

@@ -325,19 +325,29 @@ def test_a_store_that_fails_mid_run_stops_every_thread_and_keeps_the_old_output(
 
 
 @pytest.mark.parametrize("out", OUTPUTS)
-@pytest.mark.parametrize(("rows", "prune", "phrase"), [
-    ([{"id": "blank", "text": "  "}], True, "--prune would delete 1 of the 1 stored in"),
-    ([{"id": "old", "text": None}], False, "their empty texts would delete 1 of the 1 stored in"),
-], ids=["prune", "emptied"])
+@pytest.mark.parametrize(("rows", "flag", "phrase"), [
+    ([{"id": "blank", "text": "  "}], "prune", "--prune would delete 1 of the 1 stored in"),
+    ([{"id": "old", "text": None}], None, "their empty texts would delete 1 of the 1 stored in"),
+    ([], "rebuild", "--rebuild would replace the 1 row stored in"),
+], ids=["prune", "emptied", "rebuild"])
 def test_a_source_without_text_that_would_delete_rows_is_refused(tmp_path: Path, engine: Engine, out: str,
-                                                                 rows: list[dict], prune: bool, phrase: str) -> None:
+                                                                 rows: list[dict], flag: str | None, phrase: str) -> None:
     """An upstream export that failed and left empty files or null texts must not wipe the index in a cron job."""
     existing = existing_output(engine, tmp_path, out)
     empty = write_jsonl(tmp_path / "empty.jsonl", rows)
-    options = IndexOptions(source=str(empty), out=existing, prune=prune)
+    options = IndexOptions(source=str(empty), out=existing, prune=flag == "prune", rebuild=flag == "rebuild")
     assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(engine), options), UserError,
                                    f"the source holds no rows with text, so {phrase}")
     assert read_output(existing).column("id").to_pylist() == ["old"]
+
+
+@pytest.mark.parametrize("out", OUTPUTS)
+def test_a_rebuild_counts_the_rows_of_the_old_output_it_drops_as_deleted(tmp_path: Path, engine: Engine, out: str) -> None:
+    existing = existing_output(engine, tmp_path, out)
+    fresh = write_jsonl(tmp_path / "fresh.jsonl", [{"id": "new", "text": "A new row."}])
+    report = run_index(IndexModel.loaded(engine), IndexOptions(source=str(fresh), out=existing, rebuild=True))
+    assert (report.added, report.deleted) == (1, 1)
+    assert read_output(existing).column("id").to_pylist() == ["new"]
 
 
 @pytest.mark.parametrize("out", ["x.lance", "dir/"])

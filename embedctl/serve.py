@@ -156,9 +156,11 @@ class ServeLimits:
         for name in ("max_client_batch", "max_request_bytes", "max_queue"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
-        if self.max_client_batch > self.max_queue:
-            raise UserError(f"--max-client-batch {self.max_client_batch} is larger than --max-queue {self.max_queue}, "
-                            "so a full-size request could never be admitted; raise --max-queue or lower --max-client-batch")
+        # A bi-encoder's /rerank queues its query beside its texts: one sequence more than the items counted.
+        if self.max_client_batch >= self.max_queue:
+            raise UserError(f"--max-queue {self.max_queue} must be larger than --max-client-batch {self.max_client_batch} "
+                            "(a full-size /rerank queues its query too), or such a request could never be admitted; "
+                            "raise --max-queue or lower --max-client-batch")
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,10 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         check_processes(self.tokenizer_processes)
+        if self.api_key is not None and not self.api_key.strip():
+            # An unset variable in `--api-key "$KEY"` must not serve without authentication.
+            raise UserError("--api-key (or EMBEDCTL_API_KEY) is empty; give the key clients must send, or leave both "
+                            "out to serve without one")
 
 
 class ApiError(HTTPException):
@@ -502,7 +508,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
 def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> None:
     """Load the model, bind, and serve until Ctrl-C or SIGTERM, which drain requests in flight first."""
     try:  # before loading the model, so a taken port fails at once
-        sock = socket.create_server((options.host, options.port))
+        sock = _listen(options.host, options.port)
     except (OSError, OverflowError) as error:  # OverflowError: a port past 65535
         reason = getattr(error, "strerror", None) or str(error)
         raise UserError(f"cannot listen on {options.host}:{options.port} ({reason}); "
@@ -515,8 +521,9 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
     app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize, options.tokenizer_processes)
     server = uvicorn.Server(uvicorn.Config(app, access_log=options.access_log,
                                            timeout_graceful_shutdown=DRAIN_SECONDS))
+    shown_host = f"[{options.host}]" if ":" in options.host else options.host  # an IPv6 address, as a URL writes it
     server_log.info("embedctl serve: %s on %s, dim %d, max length %d, at http://%s:%d (docs at /docs)",
-                    engine.files.name, engine.device, engine.dim, engine.max_length, options.host, sock.getsockname()[1])
+                    engine.files.name, engine.device, engine.dim, engine.max_length, shown_host, sock.getsockname()[1])
     if engine.stats.captures:
         server_log.info("warm-up: %d CUDA graphs captured in %.1f s, one per shape of batch whose sequences are at most "
                         "512 tokens, so that such requests never wait for a capture", engine.stats.captures,
@@ -525,6 +532,13 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has drained: a clean stop, exit 0
         pass
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host (a name, an IPv4 or an IPv6 address) and port; "::" takes IPv4 too where it can."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return socket.create_server((host, port), family=family,
+                                dualstack_ipv6=family == socket.AF_INET6 and socket.has_dualstack_ipv6())
 
 
 def _refusal(error: QueueFull | SchedulerClosed) -> ApiError:

@@ -38,11 +38,11 @@ from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
 from embedctl.cli import app as cli
-from embedctl.serve import create_app
-from engine import Engine, EngineConfig
+from embedctl.serve import ServeLimits, create_app
+from engine import Engine, EngineConfig, UserError
 from engine.scheduler import QueueFull, Scheduler
 from pipelines.tokenize import TextTokenizer
-from tests.files import ENV, write_jsonl
+from tests.files import ENV, assert_one_error_line, write_jsonl
 from tests.models import save_random_model
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
@@ -603,6 +603,46 @@ def test_an_address_that_cannot_exist_is_one_error_line(minilm_dir: Path, flag: 
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and reason in result.stderr
     assert result.stderr.startswith("error: cannot listen on")
+
+
+def test_an_empty_api_key_is_refused_rather_than_serving_without_one(minilm_dir: Path) -> None:
+    # `--api-key "$KEY"` with KEY unset, in a unit file or a container spec, must not leave the server open.
+    result = serve_cli(minilm_dir, "--api-key", "")
+    assert_one_error_line(result, "--api-key (or EMBEDCTL_API_KEY) is empty")
+
+
+def test_limits_that_could_never_admit_a_full_rerank_are_refused() -> None:
+    # A bi-encoder's /rerank of max_client_batch texts queues max_client_batch + 1 sequences (the query too).
+    with pytest.raises(UserError, match="--max-queue 4 must be larger than --max-client-batch 4"):
+        ServeLimits(max_client_batch=4, max_queue=4)
+    assert ServeLimits(max_client_batch=4, max_queue=5).max_queue == 5
+
+
+def test_serve_listens_on_an_ipv6_address(minilm_dir: Path, tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET6) as probe:
+        try:
+            probe.bind(("::1", 0))
+        except OSError:
+            pytest.skip("this machine has no IPv6 loopback")
+    port = free_port()
+    log = tmp_path / "server.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", "serve", "--device", "cpu", "--model",
+                                    str(minilm_dir), "--host", "::1", "--port", str(port)],
+                                   env=SERVER_ENV, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline, status = time.monotonic() + 180, None
+        while status != 200 and time.monotonic() < deadline:
+            assert process.poll() is None, log.read_text()
+            try:
+                status = httpx.get(f"http://[::1]:{port}/health", timeout=5).status_code
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert status == 200, log.read_text()
+        assert f"at http://[::1]:{port}" in log.read_text()
+    finally:
+        process.terminate()
+        process.wait(60)
 
 
 def serve_cli(model: Path, *args: str) -> subprocess.CompletedProcess:

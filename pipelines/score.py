@@ -295,6 +295,17 @@ def open_inputs(options: ScoreOptions) -> Inputs:
                         "the LanceDB database that holds it")
     if options.docs is None and options.index is None:
         raise UserError("no documents: give DOCS (a file or directory) or --index with a table built by `embedctl index`")
+    # Options that would do nothing are refused rather than ignored: a user who gave one expects it to count.
+    if options.rerank_depth is not None and options.reranker is None:
+        raise UserError(f"--rerank-depth {options.rerank_depth} sets how many hits --reranker rescores, and there is "
+                        "no --reranker; name the cross-encoder or drop --rerank-depth")
+    if options.index is not None and options.docs is not None and options.reranker is None:
+        raise UserError(f"with --index the vectors come from {options.index}, and DOCS is read only for --reranker's "
+                        "texts; drop DOCS, or drop --index to embed DOCS")
+    if options.index is not None and (options.doc_prompt is not None or options.doc_prompt_name is not None):
+        flag = "--doc-prompt" if options.doc_prompt is not None else "--doc-prompt-name"
+        raise UserError(f"{flag} puts a prompt before documents this run embeds, and with --index it embeds none (the "
+                        f"table's vectors carry the prompt they were indexed with); drop {flag}")
     if options.out is not None:
         _check_out(Path(options.out), options.overwrite)
     queries = _read_queries(options)

@@ -541,6 +541,19 @@ def test_no_pairs_score_nothing_with_workers_running(cross_encoder: Path) -> Non
         assert pair_scores(reranker.engine, reranker.tokenizer, [], [], pool=pool).shape == (0,)
 
 
+@pytest.mark.parametrize(("options", "phrase"), [
+    (dict(docs=str(CORPUS), rerank_depth=20), "--rerank-depth 20 sets how many hits --reranker rescores, and there is no --reranker"),
+    (dict(index="TABLE", docs=str(CORPUS)), "DOCS is read only for --reranker's texts; drop DOCS"),
+    (dict(index="TABLE", doc_prompt="passage: "), "--doc-prompt puts a prompt before documents this run embeds"),
+    (dict(index="TABLE", doc_prompt_name="document"), "--doc-prompt-name puts a prompt before documents"),
+], ids=["depth without reranker", "docs beside index", "doc prompt with index", "doc prompt name with index"])
+def test_options_that_would_do_nothing_are_refused(sample_table: Path, options: dict, phrase: str) -> None:
+    if options.get("index") == "TABLE":
+        options = {**options, "index": str(sample_table)}
+    with pytest.raises(UserError, match=phrase):
+        open_inputs(ScoreOptions(queries=str(QUERIES), **options))
+
+
 def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_dir: Path) -> None:
     options = ScoreOptions(queries=str(QUERIES), index=str(sample_table))
     inputs = open_inputs(options)

@@ -201,8 +201,12 @@ class IndexModel:
 
 
 def open_corpus(options: IndexOptions) -> CorpusReader:
-    """The corpus with its files found and their schemas checked: cheap, so do it before loading a model."""
-    return CorpusReader(options.source, options.text_col, options.id_col, options.keep, options.chunk_rows)
+    """The corpus with its files found and their schemas checked: cheap, so do it before loading a model.
+
+    Chunks are no larger than a commit group: a chunk reaches the writer only once all its rows are embedded,
+    so with chunks of 1,024 rows a --commit-rows of 100 committed nothing until 1,024 rows were done."""
+    return CorpusReader(options.source, options.text_col, options.id_col, options.keep,
+                        min(options.chunk_rows, options.commit_rows))
 
 
 def lock_output(options: IndexOptions) -> AbstractContextManager[None]:

@@ -24,7 +24,7 @@ import torch
 import embedctl
 from engine import Engine, EngineConfig, UserError
 from pipelines import writers
-from pipelines.index import IndexModel, IndexOptions, IndexReport, lock_output, run_index
+from pipelines.index import IndexModel, IndexOptions, IndexReport, lock_output, open_corpus, run_index
 from pipelines.progress import plural
 from pipelines.tokenize import TextTokenizer
 from pipelines.tokenize_pool import TokenizerPool
@@ -348,6 +348,14 @@ def test_a_rebuild_counts_the_rows_of_the_old_output_it_drops_as_deleted(tmp_pat
     report = run_index(IndexModel.loaded(engine), IndexOptions(source=str(fresh), out=existing, rebuild=True))
     assert (report.added, report.deleted) == (1, 1)
     assert read_output(existing).column("id").to_pylist() == ["new"]
+
+
+@pytest.mark.parametrize(("commit_rows", "chunk_rows"), [(100, 100), (5000, IndexOptions.chunk_rows)])
+def test_chunks_are_no_larger_than_a_commit_group(tmp_path: Path, commit_rows: int, chunk_rows: int) -> None:
+    # A chunk reaches the writer once all its rows are embedded: chunks larger than --commit-rows would
+    # commit nothing until a whole chunk was done, and a kill before then would lose more than a group.
+    source = write_jsonl(tmp_path / "good.jsonl", GOOD)
+    assert open_corpus(IndexOptions(source=str(source), out=f"{tmp_path}/x.lance", commit_rows=commit_rows)).chunk_rows == chunk_rows
 
 
 @pytest.mark.parametrize("out", ["x.lance", "dir/"])

@@ -700,7 +700,7 @@ class _Service:
         sequences = _id_lists(value)
         self.check_token_ids(sequences, "input")
         limit = self.engine.max_length
-        encoded = Encoded(ids=[np.asarray(ids[:limit], dtype=np.int32) for ids in sequences],
+        encoded = Encoded(ids=[self.tokenizer.cut_ids(ids, limit) for ids in sequences],
                           truncated=[len(ids) > limit for ids in sequences])
         return await self.rows(self.submit(encoded)), _token_count(encoded)
 

@@ -155,6 +155,10 @@ class TextTokenizer:
         # (_bare_pieces, made on the first pairs: a copy costs a tenth of a second, which index never needs).
         post_processor = spec_of(self.tokenizer.post_processor)
         self._templates = {kind: template(post_processor, kind) for kind in ("single", "pair")}
+        # The special-token ids the single template puts after a text ([SEP] for BERT), for cut_ids.
+        single = self._templates["single"] or [("A", 0)]
+        after_text = [part for part, _ in single[[isinstance(part, str) for part, _ in single].index(True) + 1:]]
+        self._text_end = np.concatenate(after_text) if after_text else np.zeros(0, dtype=np.int32)
         self._room = {kind: max_length - self.tokenizer.num_special_tokens_to_add(kind == "pair")
                       for kind in ("single", "pair")}
         self._words = WordPieceWords.of(self.tokenizer, self._normalize) if by_words else None
@@ -176,6 +180,17 @@ class TextTokenizer:
         pieces = _without_normalizer(self.tokenizer)
         pieces.no_truncation()
         return pieces
+
+    def cut_ids(self, ids: Sequence[int], limit: int) -> np.ndarray:
+        """Token ids cut to `limit` as a text's are: ids that end as the model's template ends a text
+        (with [SEP], as /tokenize gives them) keep that end, the cut falling before it."""
+        ids = np.asarray(ids, dtype=np.int32)
+        if len(ids) <= limit:
+            return ids
+        end = self._text_end
+        if 0 < len(end) < limit and np.array_equal(ids[len(ids) - len(end):], end):
+            return np.concatenate([ids[: limit - len(end)], end])
+        return ids[:limit]
 
     def encode(self, texts: Sequence[str]) -> Encoded:
         """Token ids of each text, truncated at max_length, exactly as the tokenizer gives them.

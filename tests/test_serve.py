@@ -201,6 +201,15 @@ def test_token_ids_give_the_vectors_of_their_texts(client: httpx.Client, texts, 
     assert many.json()["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
 
 
+def test_token_ids_past_the_max_length_are_cut_as_their_text_is(client: httpx.Client) -> None:
+    # /tokenize's ids of a long text end with [SEP]; cut to the max length they keep it, as the text does.
+    ids = [token["id"] for token in client.post("/tokenize", json={"inputs": LONG}).json()[0]]
+    assert len(ids) > 256 and ids[-1] == 102
+    by_ids, by_text = (client.post("/v1/embeddings", json={"input": value}).json()["data"][0]["embedding"]
+                       for value in ([ids], LONG))
+    np.testing.assert_allclose(by_ids, by_text, atol=1e-5)
+
+
 def test_dimensions_cut_then_renormalise_and_embed_can_return_raw_vectors(client: httpx.Client, texts, indexed) -> None:
     vectors = indexed[0][:4]
     short = client.post("/v1/embeddings", json={"input": texts[:4], "dimensions": 64}).json()

@@ -474,3 +474,18 @@ def test_a_pair_whose_document_ends_in_what_the_model_drops_is_truncated_as_the_
 
     assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
     assert encoded.truncated == [bool(e.overflowing) for e in expected] == [False, True, False]
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe"])
+def test_token_ids_are_cut_as_their_text_is(tokenizers_dir: Path, kind: str) -> None:
+    # Ids as /tokenize gives them (the template's [SEP] last, for MiniLM) keep that end when cut; ids
+    # without it (a template without specials, or raw ids) are cut where the limit falls.
+    path = resolve_model(None).tokenizer_file if kind == "wordpiece" else trained(kind, tokenizers_dir)
+    tokenizer = TextTokenizer(path, 16)
+    text = " ".join(corpus_texts()[:3])
+    whole = Tokenizer.from_file(str(path)).encode(text).ids
+    assert len(whole) > 16
+    assert tokenizer.cut_ids(whole, 16).tolist() == tokenizer.encode([text]).ids[0].tolist()
+    assert tokenizer.cut_ids(whole[:10], 16).tolist() == whole[:10]
+    if kind == "wordpiece":
+        assert tokenizer.cut_ids(whole[1:-1], 16).tolist() == whole[1:17]

@@ -72,7 +72,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 from tokenizers import Encoding
 
 from engine import Engine, EngineConfig, UserError
@@ -139,7 +139,11 @@ REFUSALS = {
     503: "The server is shutting down; retry after Retry-After",
 }
 NOT_READY = "Not ready: the model is warming up (retry after Retry-After), or its warm-up failed (see the server log)"
-CLIENT_GONE = 499  # the metrics' status for a request whose client disconnected before sending its body
+CLIENT_GONE = 499  # the metrics' status for a request whose client disconnected before its reply
+# Requests with bodies this large are watched for their client going away while they run, so that an
+# abandoned one stops holding the queue; for smaller ones (a query: milliseconds) the watch would cost
+# more than it saves.
+WATCH_BYTES = 16 << 10
 JSON_HEADER = (b"content-type", b"application/json")
 BODY_PROBLEMS = ("missing", "model_type", "model_attributes_type", "dict_type")  # the body is no JSON object
 
@@ -395,7 +399,7 @@ def _id_lists(ids: list[int] | list[list[int]]) -> list[list[int]]:
 
 def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = ServeLimits(),
                api_key: str | None = None, normalize: bool | None = None,
-               tokenizer_processes: int | None = None) -> ASGIApp:
+               tokenizer_processes: int | None = None) -> _Front:
     """The HTTP app over a loaded engine. Serving it (uvicorn) starts the scheduler and the warm-up.
 
     engine must be loaded with normalize=False: vectors are normalised per request here.
@@ -502,7 +506,8 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
         "/tokenize": (TokenizeRequest, service.tokens), "/decode": (DecodeRequest, service.decode)}
     routes |= dict.fromkeys(TASK_PATHS, routes[main_task])
     routes |= dict.fromkeys(EMBEDDINGS_PATHS, (EmbeddingsRequest, service.embeddings))
-    return _Front(app, routes, api_key, limits.max_request_bytes, service.metrics)
+    return _Front(app, routes, api_key, limits.max_request_bytes, service.metrics,
+                  close=functools.partial(service.stop, force=True))
 
 
 def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> None:
@@ -532,6 +537,10 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has drained: a clean stop, exit 0
         pass
+    finally:
+        # A second Ctrl-C quits without the app's shutdown; its scheduler thread, still inside a step, and
+        # its workers then met the interpreter's exit and aborted the process (SIGABRT).
+        app.close()
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -566,6 +575,7 @@ class _Service:
         self.started = int(time.time())
         self.metrics = _Metrics()
         self.scheduler: Scheduler | None = None
+        self.stopped = False
         self.pool: ThreadPoolExecutor | None = None
         self.workers: TokenizerPool | None = None
         self.wakeups: _Wakeups | None = None
@@ -578,10 +588,15 @@ class _Service:
         self.wakeups = _Wakeups(loop)
         self.scheduler = Scheduler(self.engine, self.limits.max_queue, on_batch=self.metrics.observe_batch)
 
-    def stop(self) -> None:
-        self.scheduler.close()
+    def stop(self, force: bool = False) -> None:
+        """Stop the scheduler thread, the tokenizer workers and threads, once; before they were started, nothing.
+        force (a forced quit): requests not yet in a batch are dropped instead of answered."""
+        if self.scheduler is None or self.stopped:
+            return
+        self.stopped = True
+        self.scheduler.close(drop_waiting=force)
         self.workers.close()  # first: it ends a warm-up still waiting in the pool for the workers
-        self.pool.shutdown()
+        self.pool.shutdown(cancel_futures=force)
 
     async def warm_up(self) -> None:
         try:
@@ -813,12 +828,16 @@ class _Service:
         return vectors[1:] @ vectors[0], tokens
 
     def submit(self, encoded: Encoded) -> asyncio.Future:
-        """Queue the sequences for the engine; the future settles on the loop with their rows, or the error."""
+        """Queue the sequences for the engine; the future settles on the loop with their rows, or the error.
+        Cancelling the future (its request cut off: a client gone, a shutdown past its drain time, a part of
+        the request refused) takes the sequences still waiting out of the queue."""
         future = self.wakeups.loop.create_future()
         try:
-            self.scheduler.submit(encoded.ids, lambda outcome: self.wakeups.settle(future, outcome), encoded.type_ids)
+            ticket = self.scheduler.submit(encoded.ids, lambda outcome: self.wakeups.settle(future, outcome),
+                                           encoded.type_ids)
         except (QueueFull, SchedulerClosed) as error:
             raise _refusal(error) from None
+        future.add_done_callback(lambda settled: self.scheduler.cancel(ticket) if settled.cancelled() else None)
         return future
 
     @staticmethod
@@ -961,8 +980,10 @@ class _Front:
     served here, straight from body bytes to reply bytes; the rest handed to FastAPI."""
 
     def __init__(self, api: FastAPI, routes: dict[str, tuple[type[BaseModel], Handler]], api_key: str | None,
-                 max_bytes: int, metrics: _Metrics) -> None:
+                 max_bytes: int, metrics: _Metrics, close: Callable[[], None]) -> None:
         self.api = api
+        # Stops the service's threads and worker processes if the app's shutdown did not (a forced quit).
+        self.close = close
         self.routes = routes
         self.api_key = api_key.encode() if api_key else None
         self.max_bytes = max_bytes
@@ -1002,7 +1023,12 @@ class _Front:
                 request = model.model_validate_json(body)
             except ValidationError as error:
                 raise _invalid(error) from None
-            return await _reply(send, 200, await handler(request))
+            try:
+                reply = await (_unless_gone(handler(request), receive) if len(body) >= WATCH_BYTES else handler(request))
+            except asyncio.CancelledError:  # a shutdown's drain time ran out: the reply says so, in the route's shape
+                return await _refuse(send, path, ApiError(503, "the server is shutting down and cut this request off "
+                                                               "when its time to drain ran out; send it again", RETRY_AFTER))
+            return CLIENT_GONE if reply is None else await _reply(send, 200, reply)
         except ApiError as error:
             return await _refuse(send, path, error)
         except Exception:  # noqa: BLE001 - one broken request gets a 500; the server goes on
@@ -1062,6 +1088,25 @@ def _clipped(number: int) -> str:
 def _is_json(content_type: bytes) -> bool:
     media = content_type.split(b";")[0].strip().lower()
     return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
+async def _unless_gone(work: Awaitable[bytes], receive: Receive) -> bytes | None:
+    """work's reply, or None as soon as the client disconnects, work then cancelled. The request's body has
+    been read, so the next ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait((task,))  # it unwinds: its futures cancelled, and with them its sequences still queued
+    return None
 
 
 async def _reply(send: Send, status: int, content: bytes, headers: dict[str, str] | None = None) -> int:

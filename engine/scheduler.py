@@ -5,7 +5,8 @@ first-come-first-served queue; the thread packs what is waiting into batches und
 token budget (engine.batch.Packer), steps each batch, and reads batch N back while batch N+1 runs.
 A request's sequences may land in several batches; its rows are put back in request order and the
 callback gets them all at once, from the scheduler thread. Nothing here waits on the whole device.
-Admission is bounded: a request that would take the queue past its depth raises QueueFull.
+Admission is bounded: a request that would take the queue past its depth raises QueueFull. A caller
+that stops waiting (its client went away) cancels its request: the sequences still waiting are dropped.
 
 Not here: tokenization, HTTP, normalisation; the callback decides how to hand results to its caller
 (e.g. loop.call_soon_threadsafe for asyncio).
@@ -44,6 +45,9 @@ class SchedulerClosed(Exception):
 
 
 class _Request:
+    """One submitted request; failed once it has been answered with an error or cancelled, and then
+    skipped wherever its sequences are (waiting, or in a batch in flight)."""
+
     __slots__ = ("count", "done", "rows", "remaining", "failed")
 
     def __init__(self, count: int, done: Done) -> None:
@@ -86,8 +90,9 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="embedctl-scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, ids: Sequence[np.ndarray], done: Done, type_ids: Sequence[np.ndarray] | None = None) -> None:
-        """Queue one request's sequences (each at most engine.max_length tokens); done() gets the rows."""
+    def submit(self, ids: Sequence[np.ndarray], done: Done, type_ids: Sequence[np.ndarray] | None = None) -> _Request:
+        """Queue one request's sequences (each at most engine.max_length tokens); done() gets the rows.
+        Returns the request, for cancel()."""
         if not ids:
             raise ValueError("a request needs at least one sequence")
         with self._lock:
@@ -97,6 +102,19 @@ class Scheduler:
                 self._waiting.append((seq, type_ids[index] if type_ids is not None else None, request, index))
             self.stats.depth += len(ids)
             self._lock.notify()
+        return request
+
+    def cancel(self, request: _Request) -> None:
+        """Drop a request its caller no longer waits for: done() is not called, its sequences still waiting
+        are skipped and leave the queue's depth at once; those already in a batch run, unread. A request
+        answered already is left as it is."""
+        with self._lock:
+            self._cancel(request)
+
+    def _cancel(self, request: _Request) -> None:
+        if not request.failed and request.remaining > 0:
+            request.failed = True
+            self.stats.depth -= request.count
 
     def check_room(self, count: int) -> None:
         """Raise as submit() would for a request of `count` sequences now, admitting nothing: for a caller
@@ -110,10 +128,14 @@ class Scheduler:
         if self.stats.depth + count > self.max_queue:
             raise QueueFull(self.stats.depth, count, self.max_queue)
 
-    def close(self) -> None:
-        """Admit nothing more, answer every admitted request, then stop the thread."""
+    def close(self, drop_waiting: bool = False) -> None:
+        """Admit nothing more, answer every admitted request, then stop the thread. drop_waiting: answer
+        only the requests with sequences in a batch already; cancel the others (a forced quit)."""
         with self._lock:
             self._closing = True
+            if drop_waiting:
+                for _, _, request, _ in self._waiting:
+                    self._cancel(request)
             self._lock.notify()
         self._thread.join()
 
@@ -164,16 +186,16 @@ class Scheduler:
             self._fail(batch, error)
             return
         answered = []
-        for row, (request, index) in zip(rows, batch.tags):
-            if request.failed:
-                continue
-            if request.rows is None:
-                request.rows = np.empty((request.count, rows.shape[1]), dtype=np.float32)
-            request.rows[index] = row
-            request.remaining -= 1
-            if request.remaining == 0:
-                answered.append(request)
-        with self._lock:
+        with self._lock:  # a request is answered or cancelled, never both (see cancel)
+            for row, (request, index) in zip(rows, batch.tags):
+                if request.failed:
+                    continue
+                if request.rows is None:
+                    request.rows = np.empty((request.count, rows.shape[1]), dtype=np.float32)
+                request.rows[index] = row
+                request.remaining -= 1
+                if request.remaining == 0:
+                    answered.append(request)
             self.stats.batches += 1
             self.stats.sequences += batch.num_seqs
             self.stats.tokens += batch.num_tokens
@@ -182,10 +204,10 @@ class Scheduler:
             request.deliver(request.rows)
 
     def _fail(self, batch: PackedBatch, error: BaseException) -> None:
-        failed = {id(request): request for request, _ in batch.tags if not request.failed}
-        for request in failed.values():
-            request.failed = True
         with self._lock:
+            failed = {id(request): request for request, _ in batch.tags if not request.failed}
+            for request in failed.values():
+                request.failed = True
             self.stats.depth -= sum(request.count for request in failed.values())
         for request in failed.values():
             request.deliver(error)

@@ -38,7 +38,7 @@ from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
 from embedctl.cli import app as cli
-from embedctl.serve import ServeLimits, create_app
+from embedctl.serve import CLIENT_GONE, WATCH_BYTES, ServeLimits, create_app
 from engine import Engine, EngineConfig, UserError
 from engine.scheduler import QueueFull, Scheduler
 from pipelines.tokenize import TextTokenizer
@@ -527,6 +527,30 @@ def test_full_queue_gets_429_with_retry_after_then_serves_again(client: httpx.Cl
     assert client.post("/embed", json={"inputs": ["a query"] * 10}).status_code == 200
 
 
+def requests_total(client: httpx.Client, endpoint: str, status: int) -> int:
+    found = re.search(rf'^embedctl_requests_total{{endpoint="{endpoint}",status="{status}"}} (\d+)$',
+                      client.get("/metrics").text, re.MULTILINE)
+    return int(found.group(1)) if found else 0
+
+
+def test_a_client_that_goes_away_takes_its_request_out_of_the_queue(server: Server, client: httpx.Client) -> None:
+    body = json.dumps({"inputs": [LONG] * 32}).encode()
+    assert len(body) >= WATCH_BYTES
+    gone_before = requests_total(client, "/embed", CLIENT_GONE)
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as raw:
+        raw.sendall(b"POST /embed HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer " + KEY.encode() +
+                    b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        while metric(client, "embedctl_queue_depth") == 0:
+            time.sleep(0.002)
+    deadline = time.monotonic() + 30
+    while requests_total(client, "/embed", CLIENT_GONE) == gone_before:
+        assert time.monotonic() < deadline, "the server did not notice the client go"
+        time.sleep(0.01)
+    assert metric(client, "embedctl_queue_depth") == 0  # cancelled with the request, not left to run unread
+    assert client.post("/embed", json={"inputs": "still serving"}).status_code == 200
+
+
 def test_eight_clients_for_30_s_get_right_answers_and_memory_stays_flat(server: Server, texts, indexed) -> None:
     vectors = indexed[0]
     errors: list[str] = []
@@ -591,6 +615,29 @@ def test_sigterm_drains_the_request_in_flight_then_exits(minilm_dir: Path, tmp_p
         with pytest.raises(httpx.ConnectError):
             httpx.get(server.url + "/health")
         assert "Traceback" not in server.log.read_text()
+    finally:
+        stop(server)
+
+
+def test_a_second_ctrl_c_quits_at_once_and_cleanly(minilm_dir: Path, tmp_path: Path) -> None:
+    # uvicorn's forced quit skips the app's shutdown: the server stops its scheduler and workers itself,
+    # drops what is still queued and answers the request in flight 503 (it aborted with SIGABRT before).
+    server = start_server(minilm_dir, tmp_path / "server.log", "--max-batch-tokens", "512")
+    try:
+        body = json.dumps({"inputs": [LONG + str(i) for i in range(64)]}).encode()
+        port = int(server.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as raw, httpx.Client(base_url=server.url) as probe:
+            raw.sendall(b"POST /embed HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            while metric(probe, "embedctl_queue_depth") == 0:
+                time.sleep(0.002)
+            server.process.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+            server.process.send_signal(signal.SIGINT)
+            assert server.process.wait(30) == 0
+            reply = raw.recv(1 << 16).decode()
+        assert reply.startswith("HTTP/1.1 503") and "the server is shutting down" in reply
+        assert "terminate called" not in server.log.read_text()
     finally:
         stop(server)
 
@@ -881,6 +928,61 @@ def test_scheduler_answers_each_request_in_order_across_batches(random_bert: Pat
         np.testing.assert_allclose(results[number], engine.embed(sequences), atol=1e-5)
     assert max(batches) <= 64 and sum(batches) == sum(len(s) for r in requests for s in r)
     assert scheduler.stats.depth == 0
+
+
+def test_a_cancelled_request_leaves_the_queue_and_is_never_answered(random_bert: Path) -> None:
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", max_batch_tokens=64, max_length=32))
+    release, step = threading.Event(), engine.step
+    engine.step = lambda batch: (release.wait(30), step(batch))[1]  # the first batch holds the thread
+    scheduler = Scheduler(engine, max_queue=100)
+    answers: dict[str, list] = {"first": [], "cancelled": [], "last": []}
+    sequences = [np.arange(100, 130, dtype=np.int32)] * 2
+    scheduler.submit(sequences, answers["first"].append)
+    cancelled = scheduler.submit(sequences * 3, answers["cancelled"].append)
+    scheduler.submit(sequences, answers["last"].append)
+    assert scheduler.stats.depth == 10
+    scheduler.cancel(cancelled)
+    assert scheduler.stats.depth == 4  # at once, while the engine is still busy
+    release.set()
+    scheduler.close()
+    assert len(answers["first"]) == len(answers["last"]) == 1 and answers["cancelled"] == []
+    assert scheduler.stats.depth == 0 and scheduler.stats.sequences < 10  # the cancelled sequences never ran
+    scheduler.cancel(cancelled)  # cancelling again, or an answered request, changes nothing
+    assert scheduler.stats.depth == 0
+
+
+def test_a_request_cut_off_by_a_shutdown_gets_503_in_its_routes_shape(random_bert: Path) -> None:
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    app = create_app(engine, TextTokenizer(engine.files.tokenizer_file, engine.max_length))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=0.5))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    url, replies, release = f"http://127.0.0.1:{port}", {}, threading.Event()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started or httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        step = engine.step
+        engine.step = lambda batch: (release.wait(60), step(batch))[1]  # the request stays in flight
+        client = threading.Thread(target=lambda: replies.update(
+            openai=httpx.post(url + "/v1/embeddings", json={"input": ["a", "b"]}, timeout=60)))
+        client.start()
+        with httpx.Client(base_url=url) as probe:
+            while metric(probe, "embedctl_queue_depth") == 0:
+                time.sleep(0.005)
+        server.should_exit = True
+        client.join(30)
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(60)
+    reply = replies["openai"]
+    message, error_type = refusal(reply)
+    assert reply.status_code == 503 and reply.headers["Retry-After"] == "1"
+    assert "the server is shutting down and cut this request off" in message and error_type == "service_unavailable"
 
 
 def test_scheduler_close_answers_everything_admitted(random_bert: Path) -> None:

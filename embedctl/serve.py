@@ -544,8 +544,10 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket on host (a name, an IPv4 or an IPv6 address) and port; "::" takes IPv4 too where it can."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    """A listening socket on host (a name, an IPv4 or an IPv6 address) and port; "::" takes IPv4 too where it can.
+    A name with IPv4 and IPv6 addresses (localhost) listens on IPv4, as before IPv6 was taken."""
+    families = [info[0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)]
+    family = socket.AF_INET if socket.AF_INET in families else families[0]
     return socket.create_server((host, port), family=family,
                                 dualstack_ipv6=family == socket.AF_INET6 and socket.has_dualstack_ipv6())
 
@@ -738,7 +740,7 @@ class _Service:
         worker instead of one lost, 5.81 / 4.44M).
         The queue must have room for the whole request before the first part is queued; a part refused
         all the same (check, or a queue that other requests filled meanwhile) fails the request, and
-        the parts queued before it run unread.
+        the parts queued before it are cancelled (those already in a batch run, unread).
         """
         if len(texts) < WORKER_TEXTS or not self.workers.in_workers:
             encoded = await (self.tokenize(self.tokenizer.encode, texts) if seconds is None
@@ -1025,9 +1027,9 @@ class _Front:
                 raise _invalid(error) from None
             try:
                 reply = await (_unless_gone(handler(request), receive) if len(body) >= WATCH_BYTES else handler(request))
-            except asyncio.CancelledError:  # a shutdown's drain time ran out: the reply says so, in the route's shape
-                return await _refuse(send, path, ApiError(503, "the server is shutting down and cut this request off "
-                                                               "when its time to drain ran out; send it again", RETRY_AFTER))
+            except asyncio.CancelledError:  # a shutdown cut it off (its time to drain ran out, or a forced quit)
+                return await _refuse(send, path, ApiError(503, "the server is shutting down and cut this request off; "
+                                                               "send it again", RETRY_AFTER))
             return CLIENT_GONE if reply is None else await _reply(send, 200, reply)
         except ApiError as error:
             return await _refuse(send, path, error)
@@ -1091,14 +1093,19 @@ def _is_json(content_type: bytes) -> bool:
 
 
 async def _unless_gone(work: Awaitable[bytes], receive: Receive) -> bytes | None:
-    """work's reply, or None as soon as the client disconnects, work then cancelled. The request's body has
-    been read, so the next ASGI message is the disconnect."""
+    """work's reply, or None as soon as the client disconnects, work then cancelled."""
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":  # the body is read: nothing else should come
+            pass
+
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(receive())
+    gone = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         task.cancel()
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())  # read, so asyncio logs nothing
         raise
     finally:
         gone.cancel()

@@ -129,8 +129,9 @@ class Scheduler:
             raise QueueFull(self.stats.depth, count, self.max_queue)
 
     def close(self, drop_waiting: bool = False) -> None:
-        """Admit nothing more, answer every admitted request, then stop the thread. drop_waiting: answer
-        only the requests with sequences in a batch already; cancel the others (a forced quit)."""
+        """Admit nothing more, answer every admitted request, then stop the thread. drop_waiting (a forced
+        quit): cancel every request with a sequence still waiting, even one partly in a batch; their done()
+        is never called, so a caller that waits on it must stop waiting by other means."""
         with self._lock:
             self._closing = True
             if drop_waiting:
@@ -156,18 +157,23 @@ class Scheduler:
         With wait, blocks until work arrives or the scheduler closes. A sequence that closes a batch
         stays in the packer and opens the next one.
         """
-        with self._lock:
-            while wait and not self._waiting and not self._holding and not self._closing:
-                self._lock.wait()
-            while self._waiting:
-                ids, types, request, index = self._waiting.popleft()
-                if request.failed:
-                    continue
-                if (batch := self._packer.add(ids, (request, index), types)) is not None:
-                    self._holding = True
-                    return batch
-            self._holding = False
-        return self._packer.flush()
+        while True:
+            with self._lock:
+                while wait and not self._waiting and not self._holding and not self._closing:
+                    self._lock.wait()
+                while self._waiting:
+                    ids, types, request, index = self._waiting.popleft()
+                    if request.failed:
+                        continue
+                    if (batch := self._packer.add(ids, (request, index), types)) is not None:
+                        self._holding = True
+                        return batch
+                self._holding = False
+                closing = self._closing
+            batch = self._packer.flush()
+            # What woke a waiting thread may have been cancelled since: wait again rather than stop.
+            if batch is not None or not wait or closing:
+                return batch
 
     def _step(self, batch: PackedBatch) -> tuple[PackedBatch, LazyTensor] | None:
         try:

@@ -541,7 +541,9 @@ def test_a_client_that_goes_away_takes_its_request_out_of_the_queue(server: Serv
     with socket.create_connection(("127.0.0.1", port)) as raw:
         raw.sendall(b"POST /embed HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer " + KEY.encode() +
                     b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 30
         while metric(client, "embedctl_queue_depth") == 0:
+            assert time.monotonic() < deadline, "the request never reached the queue"
             time.sleep(0.002)
     deadline = time.monotonic() + 30
     while requests_total(client, "/embed", CLIENT_GONE) == gone_before:
@@ -629,7 +631,9 @@ def test_a_second_ctrl_c_quits_at_once_and_cleanly(minilm_dir: Path, tmp_path: P
         with socket.create_connection(("127.0.0.1", port)) as raw, httpx.Client(base_url=server.url) as probe:
             raw.sendall(b"POST /embed HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            deadline = time.monotonic() + 30
             while metric(probe, "embedctl_queue_depth") == 0:
+                assert time.monotonic() < deadline, "the request never reached the queue"
                 time.sleep(0.002)
             server.process.send_signal(signal.SIGINT)
             time.sleep(0.3)
@@ -951,6 +955,18 @@ def test_a_cancelled_request_leaves_the_queue_and_is_never_answered(random_bert:
     assert scheduler.stats.depth == 0
 
 
+def test_the_scheduler_keeps_serving_after_the_request_that_woke_it_was_cancelled(random_bert: Path) -> None:
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", max_batch_tokens=64, max_length=32))
+    scheduler = Scheduler(engine, max_queue=100)
+    answered = threading.Event()
+    with scheduler._lock:  # the thread wakes for the request only once it is cancelled, and finds nothing to do
+        scheduler.cancel(scheduler.submit([np.arange(100, 110, dtype=np.int32)], lambda _: None))
+    time.sleep(0.5)  # time for the thread to take the lock and find the queue holding only the cancelled request
+    scheduler.submit([np.arange(100, 110, dtype=np.int32)], lambda _: answered.set())
+    assert answered.wait(30), "the scheduler thread stopped"
+    scheduler.close()
+
+
 def test_a_request_cut_off_by_a_shutdown_gets_503_in_its_routes_shape(random_bert: Path) -> None:
     engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
     app = create_app(engine, TextTokenizer(engine.files.tokenizer_file, engine.max_length))
@@ -972,6 +988,7 @@ def test_a_request_cut_off_by_a_shutdown_gets_503_in_its_routes_shape(random_ber
         client.start()
         with httpx.Client(base_url=url) as probe:
             while metric(probe, "embedctl_queue_depth") == 0:
+                assert time.monotonic() < deadline, "the request never reached the queue"
                 time.sleep(0.005)
         server.should_exit = True
         client.join(30)

@@ -220,9 +220,12 @@ class StoredVectors:
             else:
                 import pyarrow.dataset
 
-                fs, root = fsspec.core.url_to_fs(path)
+                try:
+                    fs, root = fsspec.core.url_to_fs(path)
+                except ImportError:  # a store fsspec has no driver for here (s3fs not installed): pyarrow's own
+                    fs, root = None, path
                 # A directory's parts only: other files beside them (a README) are not the table's, as for the writer.
-                parts = table_parts(fs, root) if fs.isdir(root) else root
+                parts = table_parts(fs, root) if fs is not None and fs.isdir(root) else root
                 self._dataset = pyarrow.dataset.dataset(parts, format="parquet", filesystem=fs)
                 schema, self.total_rows = self._dataset.schema, self._dataset.count_rows()
         except (ValueError, OSError, RuntimeError) as error:  # lance raises RuntimeError for a store it cannot reach

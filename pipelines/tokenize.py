@@ -155,10 +155,7 @@ class TextTokenizer:
         # (_bare_pieces, made on the first pairs: a copy costs a tenth of a second, which index never needs).
         post_processor = spec_of(self.tokenizer.post_processor)
         self._templates = {kind: template(post_processor, kind) for kind in ("single", "pair")}
-        # The special-token ids the single template puts after a text ([SEP] for BERT), for cut_ids.
-        single = self._templates["single"] or [("A", 0)]
-        after_text = [part for part, _ in single[[isinstance(part, str) for part, _ in single].index(True) + 1:]]
-        self._text_end = np.concatenate(after_text) if after_text else np.zeros(0, dtype=np.int32)
+        self._text_end = _text_end(self.tokenizer)
         self._room = {kind: max_length - self.tokenizer.num_special_tokens_to_add(kind == "pair")
                       for kind in ("single", "pair")}
         self._words = WordPieceWords.of(self.tokenizer, self._normalize) if by_words else None
@@ -408,6 +405,15 @@ class TextTokenizer:
         segments = self._segments("pair", first, second)
         types = np.array([type_id for _, type_id in self._templates["pair"]], dtype=np.int32)
         return np.concatenate(segments), np.repeat(types, [len(segment) for segment in segments])
+
+
+def _text_end(tokenizer: Tokenizer) -> np.ndarray:
+    """The special-token ids the tokenizer puts after a text ([SEP] for BERT, </s> for RoBERTa), for cut_ids:
+    read off a short text's encoding, whatever the post-processor."""
+    encoding = tokenizer.encode("a", add_special_tokens=True)
+    last_first = zip(reversed(encoding.ids), reversed(encoding.special_tokens_mask))
+    ends = [token for token, special in itertools.takewhile(lambda pair: pair[1] == 1, last_first)]
+    return np.array(ends[::-1], dtype=np.int32)
 
 
 def encode_cut(tokenizer: Tokenizer, texts: list[str], max_length: int, cut: bool = True,

@@ -308,7 +308,7 @@ class _ParquetDirStore:
             self.replaced: set[str] = set()
             if schemas and rebuild:
                 self.replaced = {row_id for part, old in zip(old_parts, schemas) if old is not None
-                                 for row_id in pq.read_table(part, columns=["id"], filesystem=fs).column("id").to_pylist()}
+                                 for row_id in _readable_ids(fs, part)}
                 self._path = posixpath.join(path, _REBUILD)
                 if any(_incompatibility(_read_schema(fs, p, shown), schema) for p in self._parts(self._path)):
                     fs.rm(self._path, recursive=True)  # a rebuild for other settings, left by a killed run
@@ -393,9 +393,10 @@ class _ParquetFileStore:
             old_schema = _readable_schema(fs, path, shown, rebuild) if exists else None
             _refuse_foreign(shown, old_schema)
             self._old = exists and not rebuild
+            self._replacing = exists and rebuild
             self.replaced: set[str] = set()
-            if exists and rebuild and old_schema is not None:
-                self.replaced = set(pq.read_table(path, columns=["id"], filesystem=fs).column("id").to_pylist())
+            if self._replacing and old_schema is not None:
+                self.replaced = set(_readable_ids(fs, path))
             self._stored: tuple[list[str], list[str]] = ([], [])  # id and content_key of the old rows, in order
             if self._old:
                 _check_compatible(shown, old_schema, schema)
@@ -434,7 +435,7 @@ class _ParquetFileStore:
             self._sink.close()
             self._fs.mv(self._tmp, self._path)
         self._closed = True
-        return len(self.replaced - source.keys()) if self.replaced else len(survivors.deleted)
+        return len(self.replaced - source.keys()) if self._replacing else len(survivors.deleted)
 
     def abort(self) -> None:
         if self._closed:
@@ -528,6 +529,15 @@ def _incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
     if not old.remove_metadata().equals(new.remove_metadata()):
         return f"its columns are ({_columns(old)}) but this run writes ({_columns(new)})"
     return None
+
+
+def _readable_ids(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+    """The ids of a Parquet file a rebuild replaces; none when they cannot be read (a killed run's file,
+    which the rebuild replaces all the same, as _readable_schema lets it)."""
+    try:
+        return pq.read_table(path, columns=["id"], filesystem=fs).column("id").to_pylist()
+    except (pa.ArrowInvalid, OSError):
+        return []
 
 
 def _readable_schema(fs: fsspec.AbstractFileSystem, path: str, shown: str, rebuild: bool) -> pa.Schema | None:

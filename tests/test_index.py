@@ -343,11 +343,12 @@ def test_a_source_without_text_that_would_delete_rows_is_refused(tmp_path: Path,
 
 @pytest.mark.parametrize("out", OUTPUTS)
 def test_a_rebuild_counts_the_rows_of_the_old_output_it_drops_as_deleted(tmp_path: Path, engine: Engine, out: str) -> None:
-    existing = existing_output(engine, tmp_path, out)
-    fresh = write_jsonl(tmp_path / "fresh.jsonl", [{"id": "new", "text": "A new row."}])
-    report = run_index(IndexModel.loaded(engine), IndexOptions(source=str(fresh), out=existing, rebuild=True))
-    assert (report.added, report.deleted) == (1, 1)
-    assert read_output(existing).column("id").to_pylist() == ["new"]
+    old = write_jsonl(tmp_path / "old.jsonl", [{"id": "old", "text": "An old row."}, {"id": "kept", "text": "A kept row."}])
+    index(engine, old, f"{tmp_path}/{out}")
+    fresh = write_jsonl(tmp_path / "fresh.jsonl", [{"id": "kept", "text": "A kept row."}, {"id": "new", "text": "A new row."}])
+    report = run_index(IndexModel.loaded(engine), IndexOptions(source=str(fresh), out=f"{tmp_path}/{out}", rebuild=True))
+    assert (report.added, report.deleted) == (2, 1)  # a rebuild embeds every row; only "old" is gone
+    assert sorted(read_output(f"{tmp_path}/{out}").column("id").to_pylist()) == ["kept", "new"]
 
 
 @pytest.mark.parametrize(("commit_rows", "chunk_rows"), [(100, 100), (5000, IndexOptions.chunk_rows)])

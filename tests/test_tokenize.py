@@ -476,16 +476,27 @@ def test_a_pair_whose_document_ends_in_what_the_model_drops_is_truncated_as_the_
     assert encoded.truncated == [bool(e.overflowing) for e in expected] == [False, True, False]
 
 
-@pytest.mark.parametrize("kind", ["wordpiece", "bpe"])
+def roberta_processed(directory: Path) -> Path:
+    """The trained BPE tokenizer with <s> and </s> around a text by RobertaProcessing, as RoBERTa and XLM-R have."""
+    tokenizer = Tokenizer.from_file(str(trained("bpe", directory)))
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    tokenizer.post_processor = processors.RobertaProcessing(("</s>", tokenizer.token_to_id("</s>")),
+                                                            ("<s>", tokenizer.token_to_id("<s>")))
+    tokenizer.save(str(directory / "roberta.json"))
+    return directory / "roberta.json"
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "roberta"])
 def test_token_ids_are_cut_as_their_text_is(tokenizers_dir: Path, kind: str) -> None:
-    # Ids as /tokenize gives them (the template's [SEP] last, for MiniLM) keep that end when cut; ids
-    # without it (a template without specials, or raw ids) are cut where the limit falls.
-    path = resolve_model(None).tokenizer_file if kind == "wordpiece" else trained(kind, tokenizers_dir)
+    # Ids as /tokenize gives them (the template's [SEP] or </s> last) keep that end when cut; ids without
+    # it (a template without specials, or raw ids) are cut where the limit falls.
+    path = {"wordpiece": lambda: resolve_model(None).tokenizer_file, "bpe": lambda: trained("bpe", tokenizers_dir),
+            "roberta": lambda: roberta_processed(tokenizers_dir)}[kind]()
     tokenizer = TextTokenizer(path, 16)
     text = " ".join(corpus_texts()[:3])
     whole = Tokenizer.from_file(str(path)).encode(text).ids
     assert len(whole) > 16
     assert tokenizer.cut_ids(whole, 16).tolist() == tokenizer.encode([text]).ids[0].tolist()
     assert tokenizer.cut_ids(whole[:10], 16).tolist() == whole[:10]
-    if kind == "wordpiece":
+    if kind != "bpe":
         assert tokenizer.cut_ids(whole[1:-1], 16).tolist() == whole[1:17]

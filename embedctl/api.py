@@ -3,6 +3,7 @@
     import embedctl
     model = embedctl.load()                      # all-MiniLM-L6-v2, shipped offline
     vectors = model.embed(["first text", "second text"])   # float32 [2, 384]
+    queries = model.embed_query(["what is a vector database"])  # the model's query prompt first, if it has one
 
 It is the engine plus the model's tokenizer; `embedctl index` runs the same pieces as a pipeline.
 """
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine import EngineConfig
-from pipelines.tokenize import TextTokenizer
+from pipelines.tokenize import TextTokenizer, resolve_prompt
 
 if TYPE_CHECKING:  # importing embedctl (as its command line does) must not import torch
     from engine import Engine
@@ -30,11 +31,26 @@ class Embedder:
     def dim(self) -> int:
         return self.engine.dim
 
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """float32 [len(texts), dim], in order; texts longer than the max length are truncated."""
+    def embed(self, texts: Sequence[str], prompt: str | None = None, prompt_name: str | None = None) -> np.ndarray:
+        """float32 [len(texts), dim], in order; texts longer than the max length are truncated.
+
+        As sentence-transformers' encode(): `prompt`, or the model's prompt named `prompt_name`, or its default
+        prompt (default_prompt_name) goes before every text. embed_query and embed_document put the prompt
+        first that `embedctl score` puts before queries and `embedctl index` before documents."""
+        return self._embed(texts, resolve_prompt(self.engine.files, None, prompt, prompt_name))
+
+    def embed_query(self, texts: Sequence[str]) -> np.ndarray:
+        """embed() with the model's query prompt (as sentence-transformers' encode_query)."""
+        return self._embed(texts, resolve_prompt(self.engine.files, "query", None, None))
+
+    def embed_document(self, texts: Sequence[str]) -> np.ndarray:
+        """embed() with the model's document prompt (as sentence-transformers' encode_document)."""
+        return self._embed(texts, resolve_prompt(self.engine.files, "document", None, None))
+
+    def _embed(self, texts: Sequence[str], prompt: str) -> np.ndarray:
         if isinstance(texts, str):
             raise TypeError("embed() takes a list of texts; wrap a single text in a list")
-        return self.engine.embed(self.tokenizer.encode(texts).ids)
+        return self.engine.embed(self.tokenizer.encode([prompt + text for text in texts] if prompt else texts).ids)
 
 
 def load(model: str | None = None, **options: object) -> Embedder:

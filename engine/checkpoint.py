@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,11 +24,28 @@ if TYPE_CHECKING:  # reading a model's settings must not import torch; only load
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
+# A Pooling module's modes as sentence-transformers names them (its pooling_mode, since v5), and the
+# engine's name for those it runs; the booleans older versions wrote, by the mode each switches on.
+POOLING_MODES = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
+LEGACY_POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                       "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                       "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+# The activations a Dense module may record (torch.nn classes) that the engine applies (engine.pooling).
+DENSE_ACTIVATIONS = ("Tanh", "Identity", "ReLU", "GELU", "Sigmoid", "SiLU")
 # sentence-transformers modules that quantise the output, by class name, and the scheme each applies.
 # pplx-embed-v1's st_quantize.FlexibleQuantizer turns each component x into round(tanh(x) * 127).
 QUANTIZERS = {"FlexibleQuantizer": "int8"}
 DIGEST_CACHE_ENTRIES = 64  # weight digests remembered (engine.checkpoint.weights_digest)
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """A sentence-transformers Dense module after the pooling: activation(x W^T + b), its weights in `path`."""
+
+    path: Path
+    in_features: int
+    out_features: int
+    activation: str  # one of DENSE_ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,9 @@ class ModelFiles:
     quantization: str | None = None  # "int8": vectors are round(tanh(x) * 127); None: float32 as pooled
     prompts: dict[str, str] = field(default_factory=dict)  # name -> text put in front of the input
     default_prompt_name: str | None = None
+    pooling_includes_prompt: bool = True  # False: sentence-transformers leaves a prompt's tokens out of the pooling
+    score_activation: str | None = None  # a cross-encoder's recorded activation, as a dotted torch class name
+    dense: tuple[DenseLayer, ...] = ()  # applied in order to the pooled vector, before normalisation
 
     @property
     def tokenizer_file(self) -> Path:
@@ -61,21 +81,29 @@ def resolve_model(name: str | None) -> ModelFiles:
         raise UserError(f"model directory {path} is missing {', '.join(missing)}; "
                         "point --model at a complete Hugging Face model directory")
     config = _read_json(path / "config.json")
-    modules = _read_json(path / "modules.json") if (path / "modules.json").is_file() else []
-    pooling = _pooling_mode(path, modules)
-    normalize = any(m.get("type", "").endswith("Normalize") for m in modules)
-    classes = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
+    modules = _read_list(path / "modules.json") if (path / "modules.json").is_file() else []
+    classes = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+    for kind in classes:
+        if kind not in ("Transformer", "Pooling", "Dense", "Normalize", *QUANTIZERS):
+            raise UserError(f"{path}: modules.json holds a {kind or 'nameless'} module, which embedctl does not run "
+                            "(it runs Transformer, Pooling, Dense and Normalize); its vectors would differ from the model's")
+    if "Dense" in classes and ("Pooling" not in classes or classes.index("Dense") < classes.index("Pooling")):
+        raise UserError(f"{path}: modules.json has a Dense module on the token vectors, before any pooling; "
+                        "embedctl runs Dense modules on the pooled vector only")
+    pooling, includes_prompt = _pooling(path, modules)
+    dense = tuple(_dense(path / m.get("path", "")) for m, kind in zip(modules, classes) if kind == "Dense")
     quantization = next((QUANTIZERS[kind] for kind in classes if kind in QUANTIZERS), None)
-    st_config = path / "sentence_bert_config.json"
-    max_length = _read_json(st_config).get("max_seq_length") if st_config.is_file() else None
-    if max_length is None:
-        max_length = config.get("max_position_embeddings", 512) - position_offset(config)
-    prompts_file = path / "config_sentence_transformers.json"
-    st_prompts = _read_json(prompts_file) if prompts_file.is_file() else {}
-    return ModelFiles(name=name, path=path, config=config, pooling=pooling, normalize=normalize,
-                      max_length=int(max_length), quantization=quantization,
-                      prompts=dict(st_prompts.get("prompts") or {}),
-                      default_prompt_name=st_prompts.get("default_prompt_name"))
+    st_file = path / "config_sentence_transformers.json"
+    st_config = _read_json(st_file) if st_file.is_file() else {}
+    prompts = st_config.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+        raise UserError(f"{st_file}: prompts must map names to texts; repair or replace the model's files")
+    return ModelFiles(name=name, path=path, config=config, pooling=pooling, normalize="Normalize" in classes,
+                      max_length=_max_length(path, config), quantization=quantization, prompts=dict(prompts),
+                      default_prompt_name=st_config.get("default_prompt_name"), pooling_includes_prompt=includes_prompt,
+                      score_activation=st_config.get("activation_fn")
+                      or (config.get("sentence_transformers") or {}).get("activation_fn")
+                      or config.get("sbert_ce_default_activation_function"), dense=dense)
 
 
 def match_state_dict(expected: Mapping[str, torch.Tensor], weights: dict[str, torch.Tensor], prefixes: tuple[str, ...],
@@ -120,15 +148,17 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
 
 
-def weights_digest(path: Path) -> str:
-    """sha256 over the weight files, so an output table records exactly which weights made it.
+def weights_digest(path: Path, module_dirs: Sequence[Path] = ()) -> str:
+    """sha256 over the weight files in `path` and then in each of module_dirs (a model's Dense modules),
+    so an output table records exactly which weights made it.
 
     Every index run needs it, one with nothing to embed too, and hashing reads every byte (16 GB for
     an 8B model); so it is remembered in the user's cache under each weight file's path, size and
     modification time, as build tools remember what they built. A cache that cannot be read or
     written costs the hashing again, nothing else.
     """
-    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    files = [f for folder in (path, *module_dirs)
+             for f in sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())]
     key = json.dumps([[str(f.resolve()), stat.st_size, stat.st_mtime_ns] for f in files for stat in [f.stat()]])
     cache = _digest_cache()
     try:
@@ -188,18 +218,76 @@ def _locate(name: str) -> Path:
                         "download it where there is a network and pass its directory with --model") from None
 
 
-def _pooling_mode(path: Path, modules: list[dict]) -> str:
-    pooling_module = next((m for m in modules if m.get("type", "").endswith("Pooling")), None)
+def _pooling(path: Path, modules: list[dict]) -> tuple[str, bool]:
+    """The engine's pooling mode and the Pooling module's include_prompt, as sentence-transformers reads them."""
+    pooling_module = next((m for m in modules if str(m.get("type", "")).endswith("Pooling")), None)
     if pooling_module is None:
-        return "mean"
-    config = _read_json(path / pooling_module.get("path", "1_Pooling") / "config.json")
-    modes = [mode for key, mode in POOLING_KEYS.items() if config.get(key)]
-    if len(modes) != 1:
-        raise UserError(f"{path}: pooling {config} is not supported; embedctl supports exactly one of mean, cls or last-token pooling")
-    return modes[0]
+        return "mean", True
+    config_file = path / pooling_module.get("path", "1_Pooling") / "config.json"
+    config = _read_json(config_file)
+    modes = config.get("pooling_mode")
+    if modes is None:  # written before sentence-transformers v5; no mode switched on means mean
+        modes = [mode for key, mode in LEGACY_POOLING_KEYS.items() if config.get(key)] or ["mean"]
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if len(modes) != 1 or modes[0] not in POOLING_MODES:
+        raise UserError(f"{config_file}: pooling by {' + '.join(map(str, modes))} is not supported; embedctl pools "
+                        "by exactly one of mean, cls or lasttoken")
+    return POOLING_MODES[modes[0]], bool(config.get("include_prompt", True))
+
+
+def _dense(path: Path) -> DenseLayer:
+    """A Dense module's settings, checked against what the engine runs."""
+    settings = _read_json(path / "config.json")
+    activation = str(settings.get("activation_function", "torch.nn.modules.activation.Tanh"))
+    kind = activation.rsplit(".", 1)[-1]
+    problem = ("its input is not the pooled vector" if settings.get("module_input_name", "sentence_embedding") != "sentence_embedding"
+               else "it adds a residual" if settings.get("use_residual")
+               else f"its activation {activation} is not one of torch.nn's {', '.join(DENSE_ACTIVATIONS)}"
+               if not activation.startswith("torch.") or kind not in DENSE_ACTIVATIONS
+               else "it has no weights" if not any((path / f).is_file() for f in WEIGHT_FILES) else None)
+    if problem:
+        raise UserError(f"{path}: embedctl cannot run this Dense module: {problem}")
+    try:
+        return DenseLayer(path, int(settings["in_features"]), int(settings["out_features"]), kind)
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{path / 'config.json'}: a Dense module needs whole-number in_features and out_features; "
+                        "repair or replace the model's files") from None
+
+
+def _max_length(path: Path, config: dict) -> int:
+    """sentence-transformers' max length: its own setting; without one, the tokenizer's model_max_length
+    where that is below the model's positions (sentence-transformers v6 records only that)."""
+    positions = config.get("max_position_embeddings", 512) - position_offset(config)
+    st_file = path / "sentence_bert_config.json"
+    length = _read_json(st_file).get("max_seq_length") if st_file.is_file() else None
+    source = st_file
+    if length is None:
+        tokenizer_file = path / "tokenizer_config.json"
+        tokenizer_max = _read_json(tokenizer_file).get("model_max_length") if tokenizer_file.is_file() else None
+        length, source = positions, path / "config.json"
+        if isinstance(tokenizer_max, (int, float)) and not isinstance(tokenizer_max, bool) and tokenizer_max < positions:
+            length, source = tokenizer_max, tokenizer_file
+    if isinstance(length, bool) or not isinstance(length, (int, float)) or length != int(length) or length < 2:
+        raise UserError(f"{source}: the max length {length!r} is not a whole number of tokens of at least 2; "
+                        "repair or replace the model's files")
+    return int(length)
 
 
 def _read_json(path: Path) -> dict:
+    value = _parse_json(path)
+    if not isinstance(value, dict):
+        raise UserError(f"{path} holds a JSON {type(value).__name__}, not an object; repair or replace the model's files")
+    return value
+
+
+def _read_list(path: Path) -> list[dict]:
+    value = _parse_json(path)
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise UserError(f"{path} is not a JSON list of modules; repair or replace the model's files")
+    return value
+
+
+def _parse_json(path: Path) -> object:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:

@@ -31,7 +31,7 @@ from engine.graphs import GRAPH_MAX_TOKENS, GraphRunner, GraphStats, bucket_for
 from engine.lazy import LazyTensor, PinnedRing
 from engine.models.bert import BertConfig, BertModel
 from engine.models.qwen3 import Qwen3Config, Qwen3Model, Qwen3Ops
-from engine.pooling import finish, pool, pooled_rows, prunes_last_layer
+from engine.pooling import DenseHead, finish, pool, pooled_rows, prunes_last_layer
 from engine.spec import ModelSpec
 
 FLASHINFER_WORKSPACE_BYTES = 128 << 20
@@ -62,6 +62,7 @@ class Engine:
         self.few_sequences_attention = few_sequences_backend(config.attention, self.attention, model.head_dim,
                                                              model.causal)
         self.prune = prunes_last_layer(self.pooling, model.causal)
+        self.dense = DenseHead(spec.files.dense, device) if spec.files.dense and not self.num_labels else None
         # Pooling, truncation and normalisation in one kernel on a GPU; engine.pooling's torch ops elsewhere.
         self.pool_kernel: Callable[..., torch.Tensor] | None = None
         if device.type == "cuda" and triton_available():
@@ -110,13 +111,18 @@ class Engine:
         # Pruned, the model gives the pooled rows themselves, one per sequence.
         hidden = self.model(input_ids, positions, token_types, attention, rows if self.prune else None)
         if self.pool_kernel is not None and not self.num_labels:
-            vectors = self.pool_kernel(hidden, self.dim, self.normalize, cu_seqlens if rows is None else None,
-                                       None if self.prune else rows)
-            return finish(vectors, None, False, self.quantization)
-        pooled = hidden.float() if self.prune else pool(hidden, seq_ids, cu_seqlens, self.pooling)
-        if self.num_labels:
-            logits = self.model.classify(pooled.to(self.dtype)).float()
-            return torch.sigmoid(logits) if self.sigmoid else logits
+            bounds, gather = cu_seqlens if rows is None else None, None if self.prune else rows
+            if self.dense is None:  # pooling, truncation and normalisation in one kernel
+                return finish(self.pool_kernel(hidden, self.dim, self.normalize, bounds, gather), None, False,
+                              self.quantization)
+            pooled = self.pool_kernel(hidden, hidden.shape[1], False, bounds, gather)  # Dense takes the whole vector
+        else:
+            pooled = hidden.float() if self.prune else pool(hidden, seq_ids, cu_seqlens, self.pooling)
+            if self.num_labels:
+                logits = self.model.classify(pooled.to(self.dtype)).float()
+                return torch.sigmoid(logits) if self.sigmoid else logits
+        if self.dense is not None:
+            pooled = self.dense(pooled)
         return finish(pooled, self.dim, self.normalize, self.quantization)
 
     def step(self, batch: PackedBatch) -> LazyTensor:

@@ -12,10 +12,18 @@ On a GPU the engine pools, truncates and normalises in one kernel instead
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from engine.checkpoint import DenseLayer, load_weights, match_state_dict
 
 POOLING_MODES = ("mean", "cls", "last")
+# engine.checkpoint.DENSE_ACTIVATIONS, as functions
+DENSE_FUNCTIONS = {"Tanh": torch.tanh, "Identity": nn.Identity(), "ReLU": F.relu, "GELU": F.gelu,
+                   "Sigmoid": torch.sigmoid, "SiLU": F.silu}
 
 
 def prunes_last_layer(mode: str, causal: bool) -> bool:
@@ -63,3 +71,26 @@ def finish(pooled: torch.Tensor, dim: int | None, normalize: bool, quantization:
     if quantization == "int8":
         pooled = torch.round(torch.tanh(pooled) * 127)
     return pooled
+
+
+class DenseHead(nn.Module):
+    """A model's sentence-transformers Dense modules, on pooled float32 vectors [S, H] (LaBSE's tanh
+    projection, for one). They run in float32 whatever the model's dtype: one small matrix product per
+    batch, inside the CUDA graph."""
+
+    def __init__(self, layers: Sequence[DenseLayer], device: torch.device) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList()
+        self.activations = [DENSE_FUNCTIONS[layer.activation] for layer in layers]
+        for layer in layers:
+            weights = load_weights(layer.path)
+            linear = nn.Linear(layer.in_features, layer.out_features, bias="linear.bias" in weights)
+            linear.load_state_dict(match_state_dict(linear.state_dict(), weights, ("linear.",), (), "Dense"))
+            self.linears.append(linear)
+        self.requires_grad_(False)
+        self.to(device=device, dtype=torch.float32)
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        for linear, activation in zip(self.linears, self.activations):
+            pooled = activation(linear(pooled))
+        return pooled

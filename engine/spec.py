@@ -61,16 +61,21 @@ class ModelSpec:
             if config.dim is not None or config.normalize:
                 raise UserError(f"{files.name} is a cross-encoder: it scores pairs and has no vectors to cut "
                                 "or normalise; drop --dim and --normalize")
-            sigmoid = labels == 1 and not _activation(files.config).endswith("Identity")
+            sigmoid = _sigmoid(files, labels)
             return cls(files, family, labels, "cls", False, labels, max_length, None, sigmoid)
-        hidden = files.config["hidden_size"]
-        if config.dim is not None and config.dim > hidden:
-            raise UserError(f"--dim {config.dim} is larger than the model's {hidden} dimensions; pick at most {hidden}")
+        width = files.config["hidden_size"]
+        for layer in files.dense:
+            if layer.in_features != width:
+                raise UserError(f"{layer.path}: a Dense module of {layer.in_features} inputs cannot follow "
+                                f"{width} dimensions; check that the model's modules belong together")
+            width = layer.out_features
+        if config.dim is not None and config.dim > width:
+            raise UserError(f"--dim {config.dim} is larger than the model's {width} dimensions; pick at most {width}")
         normalize = files.normalize if config.normalize is None else config.normalize
         if files.quantization and normalize:
             raise UserError(f"{files.name} outputs {files.quantization} vectors (round(tanh(x) * 127)), which "
                             "are compared by cosine and not normalised; drop --normalize")
-        return cls(files, family, 0, files.pooling, normalize, config.dim or hidden, max_length,
+        return cls(files, family, 0, files.pooling, normalize, config.dim or width, max_length,
                    files.quantization, False)
 
     @property
@@ -80,7 +85,7 @@ class ModelSpec:
 
     @cached_property
     def weights_sha256(self) -> str:
-        return weights_digest(self.files.path)
+        return weights_digest(self.files.path, [layer.path for layer in self.files.dense])
 
     def settings(self) -> dict[str, str]:
         """What decides the outputs: recorded with every output so a mismatch can be caught later."""
@@ -107,6 +112,13 @@ def classifier_labels(config: dict) -> int:
     return len(config["id2label"]) if config.get("id2label") else int(config.get("num_labels", 2))
 
 
-def _activation(config: dict) -> str:
-    """The score activation sentence-transformers' CrossEncoder records (default: sigmoid for one label)."""
-    return (config.get("sentence_transformers") or {}).get("activation_fn") or "Sigmoid"
+def _sigmoid(files: ModelFiles, labels: int) -> bool:
+    """Whether the cross-encoder's scores are squashed, as sentence-transformers' CrossEncoder decides:
+    the activation its files record, else a sigmoid for one label and none for more."""
+    recorded = files.score_activation
+    if recorded is None:
+        return labels == 1
+    kind = str(recorded).rsplit(".", 1)[-1]
+    if kind not in ("Sigmoid", "Identity"):
+        raise UserError(f"{files.name} records the score activation {recorded!r}; embedctl applies a sigmoid or none")
+    return kind == "Sigmoid"

@@ -634,24 +634,34 @@ def _last_point(text: str, limit: int, points: re.Pattern) -> int:
     return len(head) - 1 - point.start() if point else 0
 
 
-def resolve_prompt(files: ModelFiles, role: str, text: str | None, name: str | None) -> str:
-    """The text put in front of every input of `role` ("query" or "document").
+def resolve_prompt(files: ModelFiles, role: str | None, text: str | None, name: str | None) -> str:
+    """The text put in front of every input of `role` ("query", "document", or None for no role).
 
     An explicit text wins; then a prompt name from the model's sentence-transformers config; then, as
     sentence-transformers' encode_query/encode_document do, the model's prompt for that role, or its
-    default prompt; else nothing.
+    default prompt (all that its plain encode() applies); else nothing.
     """
+    prompt = _chosen_prompt(files, role, text, name)
+    if prompt and files.pooling == "mean" and not files.pooling_includes_prompt:
+        flag = "--query-prompt" if role == "query" else "--doc-prompt"
+        raise UserError(f"{files.name} leaves its prompt {prompt!r} out of its mean pooling (include_prompt false "
+                        f"in its Pooling config), which embedctl does not do; embed without it ({flag} '' on the "
+                        "command line, prompt='' in Python)")
+    return prompt
+
+
+def _chosen_prompt(files: ModelFiles, role: str | None, text: str | None, name: str | None) -> str:
     if text is not None and name is not None:
-        raise UserError(f"give the {role} prompt as a text or as a name, not both")
+        raise UserError(f"give {f'the {role} prompt' if role else 'the prompt'} as a text or as a name, not both")
     if text is not None:
         return text
     if name is not None:
         if name not in files.prompts:
             known = ", ".join(sorted(files.prompts)) or "none"
             raise UserError(f"{files.name} has no prompt named {name!r} (it has: {known}); "
-                            f"pick one of those or pass the {role} prompt as text")
+                            "pick one of those or pass the prompt as text")
         return files.prompts[name]
-    for candidate in ROLE_PROMPTS[role]:
+    for candidate in ROLE_PROMPTS.get(role, ()):
         if candidate in files.prompts:
             return files.prompts[candidate]
     return files.prompts.get(files.default_prompt_name, "") if files.default_prompt_name else ""

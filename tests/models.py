@@ -53,3 +53,16 @@ def save_random_model(directory: Path, model_class: str = "BertModel", pooling: 
     return directory
 
 
+
+
+def save_dense_model(source: Path, directory: Path, activation: torch.nn.Module, pooling: str = "cls") -> Path:
+    """The checkpoint in `source` as sentence-transformers saves it with two random Dense modules (64 -> 48 -> 32,
+    the second without bias) between pooling and normalisation, as LaBSE has one (cls, 768 -> 768, tanh)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+
+    torch.manual_seed(1)
+    SentenceTransformer(modules=[modules.Transformer(str(source)), modules.Pooling(64, pooling_mode=pooling),
+                                 modules.Dense(64, 48, activation_function=activation),
+                                 modules.Dense(48, 32, bias=False), modules.Normalize()], device="cpu").save(str(directory))
+    return directory

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -15,7 +16,7 @@ from engine import Engine, EngineConfig, PackedBatch, Packer, UserError
 from engine.checkpoint import weights_digest
 from engine.graphs import all_buckets, all_shapes, bucket_for, slots_for
 from engine.pooling import pool
-from tests.models import save_random_model
+from tests.models import save_dense_model, save_random_model
 
 TEXTS = [
     "hello world",
@@ -305,3 +306,115 @@ def test_weights_digest_is_remembered_by_path_size_and_mtime(random_bert, tmp_pa
 def test_options_that_cannot_run_together_are_refused_before_any_model_loads(options: dict, message: str) -> None:
     with pytest.raises(UserError, match=message):
         EngineConfig(**options)
+
+
+def test_a_model_saved_by_sentence_transformers_6_loads_as_it_reads_it(random_bert, tmp_path) -> None:
+    """sentence-transformers v6 writes pooling_mode as a name, and its max length only as the tokenizer's
+    model_max_length (here 32, under the 128 positions); a long text is cut there."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+
+    tokenizer_config = json.loads((random_bert / "tokenizer_config.json").read_text())
+    (random_bert / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "model_max_length": 32}))
+    saved = tmp_path / "st6"
+    modules = [models.Transformer(str(random_bert)), models.Pooling(64, pooling_mode="cls"), models.Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(str(saved))
+    reference = SentenceTransformer(str(saved), device="cpu")
+    ours = embedctl.load(str(saved), device="cpu")
+    assert ours.engine.max_length == reference.max_seq_length == 32 and ours.engine.pooling == "cls"
+    np.testing.assert_allclose(ours.embed(TEXTS[:2]), reference.encode(TEXTS[:2]), atol=1e-5)
+
+
+@pytest.mark.parametrize(("activation", "pooling"), [(torch.nn.Tanh(), "cls"), (torch.nn.GELU(), "mean")])
+def test_dense_modules_after_the_pooling_are_applied_as_sentence_transformers_does(
+        random_bert, tmp_path, activation: torch.nn.Module, pooling: str) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    save_dense_model(random_bert, tmp_path / "dense", activation, pooling)
+    expected = SentenceTransformer(str(tmp_path / "dense"), device="cpu").encode(TEXTS[:3])
+    ours = embedctl.load(str(tmp_path / "dense"), device="cpu")
+    assert ours.dim == 32 and expected.shape == (3, 32)
+    np.testing.assert_allclose(ours.embed(TEXTS[:3]), expected, atol=1e-5)
+    short = embedctl.load(str(tmp_path / "dense"), device="cpu", dim=16).embed(TEXTS[:3])  # Matryoshka cut after Dense
+    np.testing.assert_allclose(short, expected[:, :16] / np.linalg.norm(expected[:, :16], axis=1, keepdims=True),
+                               atol=1e-5)
+    digest = ours.engine.spec.weights_sha256
+    dense_file = next((tmp_path / "dense").glob("*Dense*/model.safetensors"))
+    dense_file.write_bytes(dense_file.read_bytes()[:-4] + b"\0\0\0\0")
+    assert Engine.load(str(tmp_path / "dense"), EngineConfig(device="cpu")).spec.weights_sha256 != digest
+
+
+@pytest.mark.parametrize("layout", ["config.json before v4", "config_sentence_transformers.json since v6"])
+def test_a_cross_encoders_recorded_activation_is_applied_as_sentence_transformers_does(tmp_path, layout: str) -> None:
+    from sentence_transformers import CrossEncoder
+
+    path = save_random_model(tmp_path / "model", "BertForSequenceClassification", num_labels=1, type_vocab_size=2,
+                             initializer_range=0.3)
+    if layout.startswith("config.json"):  # as cross-encoder/ms-marco-MiniLM-L-6-v2 records it
+        _edit_json(path / "config.json", sbert_ce_default_activation_function="torch.nn.modules.linear.Identity")
+    else:
+        CrossEncoder(str(path), device="cpu", activation_fn=torch.nn.Identity()).save(str(tmp_path / "saved"))
+        path = tmp_path / "saved"
+        assert "Identity" in json.loads((path / "config_sentence_transformers.json").read_text())["activation_fn"]
+    queries, docs = ["what is a cat", "rice"], ["a cat is an animal", "boil water"]
+    expected = CrossEncoder(str(path), device="cpu").predict(list(zip(queries, docs)))
+    engine = Engine.load(str(path), EngineConfig(device="cpu"))
+    pairs = embedctl.load(str(path), device="cpu").tokenizer.encode_pairs(queries, docs)
+    assert not engine.sigmoid and engine.settings()["activation"] == "identity"
+    np.testing.assert_allclose(engine.embed(pairs.ids, pairs.type_ids)[:, 0], expected, atol=1e-5)
+    assert ((expected < 0) | (expected > 1)).any()  # raw logits: a sigmoid would have squashed them
+
+    (path / "config_sentence_transformers.json").write_text(json.dumps({"activation_fn": "torch.nn.Tanh"}))
+    with pytest.raises(UserError, match="records the score activation 'torch.nn.Tanh'; embedctl applies a sigmoid or none"):
+        Engine.load(str(path), EngineConfig(device="cpu"))
+
+
+def _edit_json(path, **changes: object) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: (d / "modules.json").write_text(json.dumps(json.loads((d / "modules.json").read_text()) + [
+        {"idx": 2, "name": "2", "path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}])),
+     "modules.json holds a LayerNorm module, which embedctl does not run"),
+    (lambda d: _edit_json(d / "1_Pooling" / "config.json", pooling_mode_max_tokens=True),
+     "pooling by max \\+ mean is not supported"),
+    (lambda d: _edit_json(d / "1_Pooling" / "config.json", pooling_mode=["cls", "lasttoken"]),
+     "pooling by cls \\+ lasttoken is not supported"),
+    (lambda d: (d / "1_Pooling" / "config.json").write_text("[]"), "holds a JSON list, not an object"),
+    (lambda d: (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": "abc"})),
+     "the max length 'abc' is not a whole number of tokens"),
+    (lambda d: (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": ["query: "]})),
+     "prompts must map names to texts"),
+])
+def test_sentence_transformers_files_it_cannot_follow_are_refused_in_one_line(random_bert, edit, message: str) -> None:
+    edit(random_bert)
+    with pytest.raises(UserError, match=message):
+        Engine.load(str(random_bert), EngineConfig(device="cpu"))
+
+
+def test_a_prompt_its_mean_pooling_leaves_out_is_refused_rather_than_pooled(random_bert) -> None:
+    from pipelines.tokenize import resolve_prompt
+
+    _edit_json(random_bert / "1_Pooling" / "config.json", include_prompt=False)
+    (random_bert / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "query: "}}))
+    files = Engine.load(str(random_bert), EngineConfig(device="cpu")).files
+    with pytest.raises(UserError, match="leaves its prompt 'query: ' out of its mean pooling .*--query-prompt ''"):
+        resolve_prompt(files, "query", None, None)
+    assert resolve_prompt(files, "query", "", None) == "" and resolve_prompt(files, "document", None, None) == ""
+
+
+def test_the_python_api_puts_prompts_first_as_sentence_transformers_and_the_pipelines_do(random_bert) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    (random_bert / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "query: ", "document": "passage: ", "topic": "topic: "}, "default_prompt_name": "topic"}))
+    reference, ours = SentenceTransformer(str(random_bert), device="cpu"), embedctl.load(str(random_bert), device="cpu")
+    texts = TEXTS[:2]
+    np.testing.assert_allclose(ours.embed(texts), reference.encode(texts), atol=1e-5)  # the default prompt
+    np.testing.assert_allclose(ours.embed_query(texts), reference.encode_query(texts), atol=1e-5)
+    np.testing.assert_allclose(ours.embed_document(texts), reference.encode_document(texts), atol=1e-5)
+    np.testing.assert_allclose(ours.embed(texts, prompt_name="query"), reference.encode(texts, prompt_name="query"),
+                               atol=1e-5)
+    np.testing.assert_allclose(ours.embed(texts, prompt=""), reference.encode(texts, prompt=""), atol=1e-5)
+    assert not np.allclose(ours.embed(texts), ours.embed(texts, prompt=""), atol=1e-3)

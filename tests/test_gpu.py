@@ -18,7 +18,7 @@ from engine import Engine, EngineConfig, PackedBatch
 from engine.attention import (FEW_SEQUENCES, AttentionLayout, FlashInferAttention, SdpaAttention, TritonAttention,
                               VarlenAttention, flashinfer_available)
 from engine.graphs import all_shapes
-from tests.models import BERT_BASE, save_random_model
+from tests.models import BERT_BASE, save_dense_model, save_random_model
 
 pytestmark = pytest.mark.gpu
 
@@ -334,6 +334,20 @@ def test_index_on_gpu_equals_cpu(minilm_dir, tmp_path) -> None:
     assert outputs["cuda"].column("id").to_pylist() == outputs["cpu"].column("id").to_pylist()
     gpu, cpu = (np.stack(outputs[d].column("vector").to_numpy(zero_copy_only=False)) for d in ("cuda", "cpu"))
     assert cosine(gpu, cpu).min() >= 0.999
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_dense_modules_on_the_gpu_equal_the_cpu(tmp_path, texts, pooling: str) -> None:
+    """Pooled by the Triton kernel without normalising, then Dense in float32, then normalised, in the graph."""
+    path = save_dense_model(save_random_model(tmp_path / "bert"), tmp_path / "dense", torch.nn.Tanh(), pooling)
+    cpu, gpu = Engine.load(str(path), EngineConfig(device="cpu")), Engine.load(str(path))
+    sequences = embedctl.Embedder(cpu).tokenizer.encode(texts).ids
+    expected = cpu.embed(sequences)
+    for _ in range(3):  # eager, capture, replay
+        vectors = gpu.embed(sequences)
+        assert vectors.shape == (len(texts), 32) and cosine(vectors, expected).min() >= 0.99
+    assert gpu.stats.captures >= 1 and gpu.stats.replays >= 1
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
 
 
 @pytest.mark.parametrize("attention", ["varlen", "triton", pytest.param("flashinfer", marks=needs_flashinfer)])

@@ -56,6 +56,9 @@ def save_random_qwen3(directory: Path, model_class: str = "Qwen3Model", causal: 
     for name in TOKENIZER_FILES:
         if (minilm_path() / name).is_file():
             shutil.copy(minilm_path() / name, directory / name)
+    # MiniLM's tokenizer config caps inputs at 512 tokens; Qwen3's records 131,072
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "model_max_length": 131072}))
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     if quantize:  # as pplx-embed-v1 declares its int8 output

@@ -26,6 +26,8 @@ from engine import EngineConfig, ModelSpec, UserError
 from engine.checkpoint import resolve_model
 from pipelines.index import IndexModel, IndexOptions, lock_output, open_corpus, run_index
 from pipelines.lock import OutputLocked
+from pipelines.readers import glob_base
+from pipelines.writers import commits_in_groups
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -166,6 +168,7 @@ def index(
             return engine
 
         index_model = IndexModel(spec, load_engine, on_gpu=lambda: config.torch_device().type == "cuda")
+        keeps_commits = commits_in_groups(out, table)  # what a Ctrl-C leaves: committed groups, or the output as it was
         try:
             with lock_output(options):  # taken before the model loads: a refused run returns at once
                 with progress_bars(enabled=not quiet and sys.stderr.isatty()) as bars:
@@ -174,8 +177,8 @@ def index(
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(EXIT_LOCKED) from None
         except KeyboardInterrupt as stop:  # committed groups stay: they are what the next run resumes from
-            after = (f"{out} is as it was before this run" if out.rstrip("/").endswith(".parquet") and table is None
-                     else f"the same command resumes from the last commit to {out}")
+            after = (f"the same command resumes from the last commit to {out}" if keeps_commits
+                     else f"{out} is as it was before this run")
             _interrupted(stop, after, report)
         if not quiet:
             typer.echo(result.summary(), err=True)
@@ -375,10 +378,11 @@ def _fail(message: str, report: Path | None) -> None:
 
 def _check_paths(report: Path | None, inputs: list[str], out: str | None) -> None:
     """Before anything is read or written, refuse (one error line, no report written) an output that is,
-    holds or lies inside an input, and a --report that is or lies inside any of them."""
+    holds or lies inside an input (for a glob, the folder it searches: a later run's glob may match the
+    output), and a --report that is or lies inside any of them."""
     there = _local(out) if out is not None else None
     for source in inputs:
-        here = _local(source)
+        here = _local(glob_base(source))
         if here is not None and there is not None and (_within(here, there) or _within(there, here)):
             _fail(f"--out {out} and the input {source} overlap, so the output would overwrite or be read as "
                   "input; write the output outside the input", None)

@@ -50,7 +50,8 @@ from pipelines.progress import Progress, plural
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
-from pipelines.writers import VectorStore, check_output, lock_file, open_store, output_schema
+from pipelines.writers import (VectorStore, check_commit_rows, check_output, lance_table, lock_file, open_store,
+                               output_schema)
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -80,9 +81,11 @@ class IndexOptions:
     tokenizer_processes: int | None = None  # worker processes that tokenize; None: default_processes
 
     def __post_init__(self) -> None:
-        if self.table is not None and (self.out.rstrip("/").endswith(".parquet") or self.out.endswith("/")):
+        if self.table is not None and self.out.rstrip("/").endswith(".parquet"):
             raise UserError(f"--table {self.table} names a table of a LanceDB database, and {self.out} is a Parquet "
                             "output; drop --table, or give --out a LanceDB directory or URI")
+        lance_table(self.out, self.table)  # a name LanceDB refuses, refused now rather than at the first commit
+        check_commit_rows(self.commit_rows)  # before open_corpus, which reads chunks of at most this many rows
         check_processes(self.tokenizer_processes)
 
 
@@ -104,6 +107,7 @@ class IndexReport:
     seconds: float = 0.0  # the run, less load_seconds
     load_seconds: float = 0.0  # loading the model, when a row needed it
     graphs: dict = field(default_factory=dict)
+    not_written: str | None = None  # why the run left the output alone, when it could not write it
 
     @property
     def skipped(self) -> int:
@@ -117,9 +121,10 @@ class IndexReport:
         embedded = (f"{plural(self.tokens, 'token')} in {self.seconds:.1f} s "
                     f"({self.tokens_per_second:,.0f} tokens/s{self._load()})"
                     if self.tokens else f"nothing to embed ({self.seconds:.1f} s)")
+        written = f"{self.output} not written: {self.not_written}" if self.not_written else self.output
         return (f"{plural(self.rows_written + self.unchanged, 'row')}: {self.added:,} added, {self.updated:,} updated, "
                 f"{self.unchanged:,} unchanged, {self.deleted:,} deleted; {embedded}; {self.truncated:,} truncated, "
-                f"{self.skipped:,} skipped -> {self.output}")
+                f"{self.skipped:,} skipped -> {written}")
 
     def _load(self) -> str:
         return f", after {self.load_seconds:.1f} s loading the model" if self.load_seconds else ""
@@ -222,7 +227,9 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
 
     corpus is open_corpus(options) when the caller has opened it already. On any failure, including
     KeyboardInterrupt, every pipeline thread has stopped; the output holds what it held before plus
-    the groups committed so far, which a run with the same options does not embed again.
+    the groups committed so far, which a run with the same options does not embed again. With keep, a
+    JSONL source without rows leaves the output alone (report.not_written says so): no row tells the
+    types of the kept columns.
     """
     reader = corpus or open_corpus(options)
     spec = model.spec
@@ -236,8 +243,14 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
     try:
         chunks = flow.stage(iter(reader))
         first = next(chunks, None)
+        if options.keep and reader.kept_schema is None:
+            # JSONL without a row gives the kept keys no type; an output made without their columns
+            # would refuse every later run that has rows.
+            flow.finish()
+            report.not_written = "the source has no rows to tell the types of the --keep columns"
+            return report
         settings = {**spec.settings(), "prompt": options.prompt}
-        schema = _schema(spec, settings, first)
+        schema = _schema(spec, settings, reader.kept_schema)
         store = open_store(options.out, schema, options.table, options.rebuild,
                            options.commit_rows)
         source: dict[str, str] = {}  # id -> content key of every row a fresh build would write
@@ -441,8 +454,7 @@ def _record_batch(item: _Tokenized, vector_type: pa.DataType) -> pa.RecordBatch:
     return pa.RecordBatch.from_pydict(columns)
 
 
-def _schema(spec: ModelSpec, settings: dict[str, str], first: Chunk | None) -> pa.Schema:
-    kept = first.kept.schema if first is not None and first.kept is not None else None
+def _schema(spec: ModelSpec, settings: dict[str, str], kept: pa.Schema | None) -> pa.Schema:
     return output_schema(spec.dim, kept, {f"embedctl.{key}": value for key, value in settings.items()},
                          pa.from_numpy_dtype(np.dtype(spec.vector_dtype)))
 

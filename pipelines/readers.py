@@ -91,6 +91,12 @@ class CorpusReader:
         if len(parquet) == len(self._files):
             self.total_rows = sum(f.rows for f in parquet)
 
+    @property
+    def kept_schema(self) -> pa.Schema | None:
+        """The schema of every chunk's kept table: known from the Parquet footers once constructed; for JSONL
+        only, set by the first chunk (so None for a JSONL corpus without rows). None without keep."""
+        return self._kept_schema
+
     def __iter__(self) -> Iterator[Chunk]:
         for f in self._files:
             if _is_parquet(f.path):
@@ -143,7 +149,7 @@ class CorpusReader:
                     f"{f.shown}: column '{self.id_col}' is {id_type}, which cannot serve as an id; "
                     "pass --id-col with a string or number column"
                 ) from None
-        return pa.schema([schema.field(c) for c in self.keep])
+        return pa.schema([_without_view(schema.field(c)) for c in self.keep])
 
     def _read_parquet(self, f: _File) -> Iterator[Chunk]:
         columns = list(dict.fromkeys([self.text_col, *([self.id_col] if f.has_id else []), *self.keep]))
@@ -163,6 +169,7 @@ class CorpusReader:
 
     def _parquet_chunk(self, f: _File, batch: pa.RecordBatch, first_row: int) -> Chunk:
         lines = list(range(first_row, first_row + batch.num_rows))
+        _check_utf8(f, batch, lines)
         if f.has_id:
             id_array = batch.column(self.id_col)
             if id_array.null_count:
@@ -295,7 +302,9 @@ class CorpusReader:
         """The kept keys as a table whose schema the first chunk fixes for all later ones.
 
         A key that is null throughout the first chunk, or mixes types there, becomes a string column;
-        non-string values in a string column are kept as JSON text.
+        non-string values in a string column are kept as JSON text. A later chunk whose values the fixed
+        type cannot hold unchanged (3.99 in an int column, an object with a key the first ones lacked) is
+        refused: cast, it would lose them.
         """
         if not self.keep:
             return None
@@ -303,18 +312,20 @@ class CorpusReader:
         for name in self.keep:
             values = [r.get(name) for r in rows]
             known = self._kept_schema.field(name).type if self._kept_schema else None
-            if known is not None and (pa.types.is_string(known) or pa.types.is_large_string(known)):
+            if known is not None and _is_text(known):
                 values = [_as_text(v) for v in values]
             try:
-                column = pa.array(values, type=known)
-            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+                column = pa.array(values)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:  # mixed types, or an int past int64
                 if known is not None:
-                    raise UserError(
-                        f"{f.shown} lines {lines[0]}-{lines[-1]}: --keep key '{name}' does not fit the type "
-                        f"{known} that earlier lines gave it ({short_reason(e)}); give it one type in every line"
-                    ) from None
+                    raise _unfit(f, lines, name, known, short_reason(e)) from None
                 column = pa.array([_as_text(v) for v in values], pa.string())
-            columns[name] = column.cast(pa.string()) if pa.types.is_null(column.type) else column
+            if known is None:
+                columns[name] = column.cast(pa.string()) if pa.types.is_null(column.type) else column
+            elif (fitted := _fitted(column, known)) is not None:
+                columns[name] = fitted
+            else:
+                raise _unfit(f, lines, name, known, f"here it is {column.type}")
         table = pa.table(columns)
         self._kept_schema = self._kept_schema or table.schema
         return table
@@ -326,10 +337,9 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
         fs, root = fsspec.core.url_to_fs(path)
     except (ValueError, ImportError) as e:
         raise UserError(f"cannot open {path} ({short_reason(e)}); give a local path or an fsspec URL") from None
-    magic = _GLOB.search(path)
     try:
-        if magic:
-            base = path[: path.rfind("/", 0, magic.start()) + 1]
+        if _GLOB.search(path):
+            base = glob_base(path)
             found = [p for match in fs.glob(root) for p in _walk(fs, match)]
         elif fs.isdir(root):
             base = path if path.endswith("/") else path + "/"
@@ -352,6 +362,13 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
     if not files:
         raise UserError(f"{path} holds no {_SUFFIX_LIST} files; check the path")
     return fs, files
+
+
+def glob_base(path: str) -> str:
+    """The folder a glob searches, as the glob spells it: "docs/" for "docs/*.jsonl", "" for "*.jsonl".
+    A path without a wildcard is its own base."""
+    magic = _GLOB.search(path)
+    return path[: path.rfind("/", 0, magic.start()) + 1] if magic else path
 
 
 def _parquet_ids(ids: pa.Array) -> list[str]:
@@ -428,6 +445,39 @@ def _unify(f: _File, known: pa.Schema | None, kept: pa.Schema) -> pa.Schema:
         ) from None
 
 
+def _fitted(column: pa.Array, known: pa.DataType) -> pa.Array | None:
+    """column cast to known where that changes no value, else None: where Arrow promotes its type to known
+    (nulls, ints in a float column, an object that lacks a key), or from ints to ints and text to text.
+    Other casts can change values: to an int column 3.99 becomes 3, to a struct a key it lacks is dropped."""
+    if column.type == known:
+        return column
+    same_kind = ((pa.types.is_integer(column.type) and pa.types.is_integer(known))
+                 or (_is_text(column.type) and _is_text(known)))
+    if not (same_kind or _promotes_to(column.type, known)):
+        return None
+    try:
+        return column.cast(known)  # safe: an int that does not fit, or past 2**53 in a float column, raises
+    except pa.ArrowInvalid:
+        return None
+
+
+def _promotes_to(kind: pa.DataType, known: pa.DataType) -> bool:
+    """Whether Arrow's permissive type promotion of the two types gives known."""
+    try:
+        schemas = [pa.schema([("value", known)]), pa.schema([("value", kind)])]
+        return pa.unify_schemas(schemas, promote_options="permissive").field("value").type == known
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return False
+
+
+def _unfit(f: _File, lines: list[int], name: str, known: pa.DataType, why: str) -> UserError:
+    return UserError(
+        f"{f.shown} lines {lines[0]}-{lines[-1]}: --keep key '{name}' does not fit the type {known} that earlier "
+        f"lines gave it ({why}); give it one type in every line (3.0, not 3, where others hold 3.5; an object "
+        "with every key, null where it has no value)"
+    )
+
+
 def _walk(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
     return fs.find(path) if fs.isdir(path) else [path]
 
@@ -455,11 +505,45 @@ def _unreadable_parquet(f: _File, e: Exception) -> UserError:
     )
 
 
+def _check_utf8(f: _File, batch: pa.RecordBatch, lines: list[int]) -> None:
+    """UserError for a string that is not valid UTF-8: a Parquet reader hands its bytes on unchecked, and
+    turning them into Python text later would fail with a traceback."""
+    for name, column in zip(batch.schema.names, batch.columns):
+        if pa.types.is_dictionary(column.type):
+            column = column.dictionary_decode()  # the values its rows use: a file's chunks share one dictionary
+        try:
+            column.validate(full=True)
+        except pa.ArrowInvalid as e:
+            if "UTF8" not in str(e):  # Arrow tells bad UTF-8 from other invalid data only in its message
+                raise _unreadable_parquet(f, e) from None
+            row = _first_invalid(column)
+            where = f"row {lines[row]}" if row is not None else f"rows {lines[0]}-{lines[-1]}"
+            raise UserError(f"{f.shown} {where}: column '{name}' is not valid UTF-8; write the file with that "
+                            "column's text encoded as UTF-8 (or as a binary column if it holds no text)") from None
+
+
+def _first_invalid(column: pa.Array) -> int | None:
+    """The position of the first value that fails full validation; None where none does alone (in a
+    dictionary nested in the column, which every slice keeps whole)."""
+    for row in range(len(column)):
+        try:
+            column.slice(row, 1).validate(full=True)
+        except pa.ArrowInvalid:
+            return row
+    return None
+
+
 def _is_text(kind: pa.DataType) -> bool:
-    """A string column, plain or dictionary-encoded (as pandas writes a categorical: to_pylist decodes it)."""
+    """A string column: plain, large, a view (as Polars writes) or dictionary-encoded (as pandas writes a
+    categorical); to_pylist decodes them all, and the id cast turns each into a string."""
     if pa.types.is_dictionary(kind):
         kind = kind.value_type
-    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+
+
+def _without_view(field: pa.Field) -> pa.Field:
+    """A kept string_view column as a string: LanceDB stores it so, and a later run's schema must match."""
+    return field.with_type(pa.string()) if pa.types.is_string_view(field.type) else field
 
 
 def _as_text(value: object) -> str | None:

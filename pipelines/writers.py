@@ -47,12 +47,14 @@ _REBUILD = ".rebuild"  # where a directory rebuild stages its parts; a Lance reb
 _DELETE_IDS = 1000  # ids per Lance delete predicate
 _LANCE_IO = "LanceError(IO)"  # how Lance's RuntimeError tells an I/O failure (a read-only folder, a full disk)
 _LANCE_PREFIX = re.compile(r"^lance error: LanceError\(\w+\): ")
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # the table names LanceDB accepts
 
 
 def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
                   vector_type: pa.DataType | None = None) -> pa.Schema:
     """id, vector (vector_type, float32 by default, x dim), n_tokens, truncated, content_key, then the
-    kept columns; metadata on the schema."""
+    kept columns, nullable whatever the source declares (a later source may hold nulls where this one's
+    schema forbids them, and the rows come in batches that do not carry "not null"); metadata on the schema."""
     fields = [
         pa.field("id", pa.string()),
         pa.field("vector", pa.list_(vector_type or pa.float32(), dim)),
@@ -63,7 +65,7 @@ def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
     for field in kept or []:
         if field.name in {f.name for f in fields}:
             raise UserError(f"--keep {field.name}: the output already has a '{field.name}' column; drop it from --keep")
-    return pa.schema([*fields, *(kept or [])], metadata=metadata)
+    return pa.schema([*fields, *(field.with_nullable(True) for field in kept or [])], metadata=metadata)
 
 
 class VectorStore(Protocol):
@@ -85,19 +87,44 @@ def open_store(out: str, schema: pa.Schema, table: str | None = None, rebuild: b
     ids the source lists with an empty text, and returns how many ids it deleted: those of emptied, and
     with prune all that are not in source.
     """
-    if commit_rows < 1:
-        raise UserError(f"--commit-rows {commit_rows}: give a positive number of rows")
-    if table is not None:
-        return _LanceStore(f"table '{table}' in {out}", out, table, schema, rebuild, commit_rows)
-    if out.rstrip("/").endswith(".lance"):
-        db, _, name = out.rstrip("/").rpartition("/")
-        return _LanceStore(out, db or ".", name.removesuffix(".lance"), schema, rebuild, commit_rows)
+    check_commit_rows(commit_rows)
+    if (lance := lance_table(out, table)) is not None:
+        shown = out if table is None else f"table '{table}' in {out}"
+        return _LanceStore(shown, *lance, schema, rebuild, commit_rows)
     fs, path, is_dir = _locate(out)
     if is_dir:
         return _ParquetDirStore(out, fs, path.rstrip("/"), schema, rebuild, commit_rows)
     if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
         path = _followed(path)  # a symbolic link (a "current" link) keeps pointing at the file it names
     return _ParquetFileStore(out, fs, path, schema, rebuild)
+
+
+def check_commit_rows(commit_rows: int) -> None:
+    if commit_rows < 1:
+        raise UserError(f"--commit-rows {commit_rows}: give a positive number of rows")
+
+
+def lance_table(out: str, table: str | None = None) -> tuple[str, str] | None:
+    """The database and the table name of a LanceDB output (NAME.lance, or a database with table); None for
+    a Parquet output. UserError for a name LanceDB refuses, which LanceDB itself does only at the first commit."""
+    if table is not None:
+        db, name, option = out, table, f"--table {table}"
+    elif out.rstrip("/").endswith(".lance"):
+        db, _, base = out.rstrip("/").rpartition("/")
+        db, name, option = db or ".", base.removesuffix(".lance"), f"--out {out}"
+    else:
+        return None
+    if not _TABLE_NAME.fullmatch(name):
+        raise UserError(f"{option}: LanceDB takes only ASCII letters, digits, underscores, hyphens and periods in a "
+                        f"table name, not '{name}'; rename it")
+    return db, name
+
+
+def commits_in_groups(out: str, table: str | None = None) -> bool:
+    """True for a store that commits group by group, whose committed groups a failed or killed run keeps
+    (a LanceDB table, a directory of parts); False for one Parquet file, written whole at finish.
+    UserError as check_output."""
+    return lance_table(out, table) is not None or _locate(out)[2]
 
 
 def lock_file(out: str, table: str | None = None) -> str | None:
@@ -118,7 +145,7 @@ def _followed(path: str) -> str:
 
 def check_output(out: str, table: str | None = None) -> None:
     """UserError for an out that names no kind of output this module writes."""
-    if table is None and not out.rstrip("/").endswith(".lance"):
+    if lance_table(out, table) is None:
         _locate(out)
 
 

@@ -237,6 +237,18 @@ def _output_inside_its_source(tmp: Path) -> tuple[list, list[str]]:
     return ["docs", "--out", "docs/vectors.parquet"], ["overlap"]
 
 
+def _output_its_glob_would_match(tmp: Path) -> tuple[list, list[str]]:
+    (tmp / "docs").mkdir()
+    pq.write_table(pa.Table.from_pylist(good_rows("a")), tmp / "docs" / "a.parquet")
+    return ["docs/*.parquet", "--out", "docs/embeddings.parquet"], ["--out docs/embeddings.parquet and the input "
+                                                                    "docs/*.parquet overlap"]
+
+
+def _no_rows_per_commit(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--out", "x.lance", "--commit-rows", "0"], ["--commit-rows 0: give a positive number of rows"]
+
+
 def _report_onto_the_output(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
     pq.write_table(pa.table({"id": ["old"]}), tmp / "x.parquet")
@@ -266,7 +278,7 @@ def _lance_output_that_is_a_file(tmp: Path) -> tuple[list, list[str]]:
 
 
 REFUSED = [_unknown_kind_in_new_folders, _lance_output_that_is_a_file, _rebuild_onto_its_source, _output_inside_its_source, _report_onto_the_output, _table_with_parquet,
-           _unknown_device, _output_under_a_file]
+           _unknown_device, _output_under_a_file, _output_its_glob_would_match, _no_rows_per_commit]
 
 
 def test_overlapping_paths_and_impossible_options_are_one_line_and_change_nothing(
@@ -280,6 +292,18 @@ def test_overlapping_paths_and_impossible_options_are_one_line_and_change_nothin
         assert_one_error_line(result, *phrases)
         assert snapshot(tmp) == before
         assert not (tmp / "typo").exists()  # no folder made for an output that was refused
+
+
+def test_a_table_name_lancedb_refuses_is_one_line_before_any_work(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "docs.jsonl", good_rows("a"))
+    before = snapshot(tmp_path)
+    outputs = {"my vectors": ["--out", "my vectors.lance"], "café": ["--out", "café.lance"],
+               "a b": ["--out", "db", "--table", "a b"]}
+    results = run_side_by_side([(["docs.jsonl", *out], tmp_path) for out in outputs.values()])
+    for (name, out), result in zip(outputs.items(), results):
+        assert_one_error_line(result, f"{' '.join(out[-2:])}: LanceDB takes only ASCII letters, digits, underscores, "
+                                      f"hyphens and periods in a table name, not '{name}'; rename it")
+    assert snapshot(tmp_path) == before
 
 
 def _report_in_a_read_only_folder(tmp: Path) -> tuple[str, list[str], AbstractContextManager]:
@@ -566,6 +590,28 @@ def test_a_stopped_run_exits_with_its_code_says_so_in_the_report_and_leaves_noth
     assert json.loads(after.pop("r.json")) == {"error": f"{word}; x.parquet is as it was before this run"}
     before.pop("r.json")
     assert after == before
+
+
+@pytest.mark.parametrize("out", ["x.parquet/", "existing.parquet"], ids=["trailing slash", "existing folder"])
+def test_ctrl_c_into_a_folder_of_parts_named_parquet_says_the_run_resumes(tmp_path: Path, out: str) -> None:
+    """A folder is a directory of parts whatever its name: its committed parts stay, and the message says so."""
+    folder = tmp_path / out.rstrip("/")
+    folder.mkdir()
+    write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": f"{i} A sentence to embed. " * 8}
+                                          for i in range(3000)])
+    process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", "index", "docs.jsonl", "--out", out,
+                                "--commit-rows", "50", "--report", "r.json"],
+                               cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(folder.glob("part-*.parquet")):  # a group is committed
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    message = f"interrupted; the same command resumes from the last commit to {out}"
+    assert (process.returncode, stderr.splitlines()) == (130, [message])
+    assert json.loads((tmp_path / "r.json").read_text()) == {"error": message}
+    assert list(folder.glob("part-*.parquet"))
 
 
 def test_a_quoted_tilde_means_the_home_folder_for_every_path(tmp_path: Path) -> None:

@@ -409,3 +409,49 @@ def test_int8_model_writes_int8_vectors_equal_to_the_engine(tmp_path: Path) -> N
     assert table.schema.metadata[b"embedctl.quantization"] == b"int8"
     stored = np.array(table.column("vector").to_pylist(), dtype=np.int8)
     np.testing.assert_array_equal(stored, engine.embed(tokenizer.encode([r["text"] for r in rows]).ids))
+
+
+@pytest.mark.parametrize("out", OUTPUTS)
+def test_a_kept_column_the_source_declares_not_null_is_written(tmp_path: Path, engine: Engine, out: str) -> None:
+    not_null = pa.schema([pa.field(name, pa.string(), nullable=False) for name in ("id", "text", "title")])
+    pq.write_table(pa.table({"id": ["a"], "text": ["A text."], "title": ["A title"]}, schema=not_null),
+                   tmp_path / "nn.parquet")
+    assert index(engine, tmp_path / "nn.parquet", f"{tmp_path}/{out}", keep=("title",)).added == 1
+    assert read_output(f"{tmp_path}/{out}").select(["id", "title"]).to_pylist() == [{"id": "a", "title": "A title"}]
+    assert index(engine, tmp_path / "nn.parquet", f"{tmp_path}/{out}", keep=("title",)).unchanged == 1
+
+
+@pytest.mark.parametrize("out", OUTPUTS)
+def test_an_empty_first_export_with_kept_columns_does_not_block_the_next_runs(tmp_path: Path, engine: Engine,
+                                                                              out: str) -> None:
+    empty = pa.table({"id": pa.array([], pa.string()), "text": pa.array([], pa.string()),
+                      "title": pa.array([], pa.string())})
+    pq.write_table(empty, tmp_path / "empty.parquet")
+    write_jsonl(tmp_path / "empty.jsonl", [])
+    full = write_jsonl(tmp_path / "full.jsonl", [{"id": "a", "text": "A text.", "title": "A title"}])
+
+    from_jsonl = index(engine, tmp_path / "empty.jsonl", f"{tmp_path}/j{out}", keep=("title",))
+    assert from_jsonl.not_written == "the source has no rows to tell the types of the --keep columns"
+    assert from_jsonl.summary().endswith(f"-> {tmp_path}/j{out} not written: {from_jsonl.not_written}")
+    assert not (tmp_path / f"j{out}").exists()
+    assert index(engine, full, f"{tmp_path}/j{out}", keep=("title",)).added == 1
+
+    assert index(engine, tmp_path / "empty.parquet", f"{tmp_path}/p{out}", keep=("title",)).not_written is None
+    assert index(engine, full, f"{tmp_path}/p{out}", keep=("title",)).added == 1
+    assert read_output(f"{tmp_path}/p{out}").select(["id", "title"]).to_pylist() == [{"id": "a", "title": "A title"}]
+
+
+def test_a_database_folder_with_a_trailing_slash_takes_a_table(tmp_path: Path, engine: Engine) -> None:
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "A text."}])
+    options = IndexOptions(source=str(source), out=f"{tmp_path}/db/", table="docs")
+    with lock_output(options):
+        assert run_index(IndexModel.loaded(engine), options).added == 1
+    assert lancedb.connect(tmp_path / "db").open_table("docs").to_arrow().column("id").to_pylist() == ["a"]
+
+
+@pytest.mark.parametrize("commit_rows", [0, -5])
+def test_commit_rows_that_are_not_positive_are_refused_before_the_source_is_read(tmp_path: Path,
+                                                                                 commit_rows: int) -> None:
+    with pytest.raises(UserError, match=f"^--commit-rows {commit_rows}: give a positive number of rows$"):
+        open_corpus(IndexOptions(source=str(tmp_path / "absent.jsonl"), out=f"{tmp_path}/x.lance",
+                                 commit_rows=commit_rows))

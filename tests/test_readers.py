@@ -274,6 +274,46 @@ def test_jsonl_kept_key_seen_only_on_the_last_line_is_kept(tmp_path):
     assert pa.concat_tables(c.kept for c in chunks).to_pydict() == {"lang": [None, "en"]}
 
 
+@pytest.mark.parametrize("name, values, shown", [
+    ("price", [3, 3.99], "the type int64 that earlier lines gave it (here it is double)"),
+    ("meta", [{"a": 1}, {"a": 2, "b": "lost"}], "the type struct<a: int64> that earlier lines gave it (here it is "
+                                                 "struct<a: int64, b: string>)"),
+    ("n", [1, 2**70], "the type int64 that earlier lines gave it (Python int too large"),
+])
+def test_jsonl_kept_values_the_first_chunks_type_would_change_are_refused(tmp_path, name, values, shown):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": f"t{i}", name: value} for i, value in enumerate(values)])
+    message = error(path=str(tmp_path / "a.jsonl"), keep=[name], chunk_rows=1)
+    assert message.startswith(f"{tmp_path}/a.jsonl lines 2-2: --keep key '{name}' does not fit {shown}")
+    assert message.endswith("; give it one type in every line (3.0, not 3, where others hold 3.5; an object with "
+                            "every key, null where it has no value)")
+
+
+def test_jsonl_kept_values_take_the_first_chunks_type_where_none_changes(tmp_path):
+    rows = [{"text": "a", "price": 1.5, "meta": {"a": 1, "b": "x"}, "tags": ["x"], "n": 1},
+            {"text": "b", "price": 2, "meta": {"a": 2}, "tags": [], "n": None},
+            {"text": "c", "price": None, "meta": None, "tags": None, "n": 3}]
+    write_jsonl(tmp_path / "a.jsonl", rows)
+    names = ["price", "meta", "tags", "n"]
+    chunks = list(CorpusReader(str(tmp_path / "a.jsonl"), keep=names, chunk_rows=1))
+    kept = pa.concat_tables(c.kept for c in chunks)
+    assert kept.schema == next(iter(CorpusReader(str(tmp_path / "a.jsonl"), keep=names))).kept.schema
+    assert kept.to_pylist() == [{"price": 1.5, "meta": {"a": 1, "b": "x"}, "tags": ["x"], "n": 1},
+                                {"price": 2.0, "meta": {"a": 2, "b": None}, "tags": [], "n": None},
+                                {"price": None, "meta": None, "tags": None, "n": 3}]
+
+
+def test_jsonl_kept_ints_fit_a_parquet_shards_narrower_int_and_text_its_categorical(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"text": ["a"], "n": pa.array([1], pa.int32()),
+                                           "lang": pa.array(["en"]).dictionary_encode()})
+    write_jsonl(tmp_path / "b.jsonl", [{"text": "b", "n": 2, "lang": "de"}])
+    chunks = list(CorpusReader(str(tmp_path), keep=["n", "lang"]))
+    assert pa.concat_tables(c.kept for c in chunks).to_pydict() == {"n": [1, 2], "lang": ["en", "de"]}
+    write_jsonl(tmp_path / "b.jsonl", [{"text": "b", "n": 2**40, "lang": "de"}])
+    assert error(path=str(tmp_path), keep=["n", "lang"]).startswith(
+        f"{tmp_path}/b.jsonl lines 1-1: --keep key 'n' does not fit the type int32 that earlier lines gave it "
+        "(here it is int64)")
+
+
 def test_parquet_kept_types_are_unified_across_files(tmp_path):
     write_parquet(tmp_path / "a.parquet", {"text": ["a"], "n": pa.array([1], pa.int32())})
     write_parquet(tmp_path / "b.parquet", {"text": ["b"], "n": pa.array([2], pa.int64())})
@@ -362,6 +402,29 @@ def test_parquet_dictionary_encoded_strings_are_read_decoded(tmp_path):
         assert (ids, texts) == (["x", "y", "x2"], ["same", None, "same"])
     write_parquet(tmp_path / "a.parquet", {"text": pa.array([b"\xff", b"b"]).dictionary_encode()})
     assert "'text' is dictionary<values=binary, indices=int32, ordered=0>, not a string" in error(path=str(tmp_path))
+
+
+def test_parquet_string_view_columns_are_read_as_strings(tmp_path):
+    # Polars writes string columns as string_view; a kept one is stored as a string, as LanceDB stores it.
+    view = pa.string_view()
+    write_parquet(tmp_path / "a.parquet", {"id": pa.array(["x", "y"], view), "text": pa.array(["one", None], view),
+                                           "lang": pa.array(["en", "de"], view)})
+    chunks, ids, texts = read_all(CorpusReader(str(tmp_path), keep=["lang"]))
+    assert (ids, texts) == (["x", "y"], ["one", None])
+    assert chunks[0].kept.schema == pa.schema([("lang", pa.string())])
+    assert chunks[0].kept.to_pydict() == {"lang": ["en", "de"]}
+
+
+@pytest.mark.parametrize("column", ["text", "id", "lang"])
+@pytest.mark.parametrize("encode", [lambda array: array, lambda array: array.dictionary_encode()],
+                         ids=["plain", "dictionary"])
+def test_parquet_strings_that_are_not_utf8_name_the_file_column_and_row(tmp_path, column, encode):
+    columns = {name: pa.array(["fine", "good", "ok"]) for name in ("id", "text", "lang")}
+    columns[column] = encode(pa.array([b"fine", b"good", b"caf\xe9 bad"], pa.binary()).view(pa.string()))
+    write_parquet(tmp_path / "a.parquet", columns)
+    assert error(path=str(tmp_path), keep=["lang"], chunk_rows=2) == (
+        f"{tmp_path}/a.parquet row 3: column '{column}' is not valid UTF-8; write the file with that column's text "
+        "encoded as UTF-8 (or as a binary column if it holds no text)")
 
 
 def test_parquet_missing_keep_column(tmp_path):

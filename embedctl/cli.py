@@ -286,6 +286,8 @@ def serve(
     warmup: Annotated[bool, typer.Option(help="Capture the CUDA graph of every batch shape (of sequences up to 512 tokens) before serving, so that no request waits for a capture; --no-warmup starts sooner.")] = True,
     access_log: Annotated[bool, typer.Option(help="Log one line per request.")] = False,
     tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize requests of many texts in N worker processes, 0 in the server process (default: one per 4 cores when the model runs on a GPU and there are at least 8 cores, else 0).")] = None,
+    doc_prompt: Annotated[Optional[str], typer.Option(help="Text put before every text of /v1/embeddings and /embed (default: the model's 'document' prompt, if any, as index puts it; '' for none, as TEI).")] = None,
+    query_prompt: Annotated[Optional[str], typer.Option(help="Text put before /rerank's query (default: the model's 'query' prompt, if any, as score puts it; '' for none).")] = None,
 ) -> None:
     """Serve embeddings and ranking over HTTP: OpenAI /v1/embeddings, TEI /embed and /rerank, /health, /metrics."""
     from embedctl.serve import ServeLimits, ServeOptions, serve as run_server  # fastapi loads only for this command
@@ -296,7 +298,8 @@ def serve(
                               normalize=normalize, dim=dim, max_length=max_length, lanes=lanes)
         limits = ServeLimits(max_client_batch=max_client_batch, max_request_bytes=max_request_bytes, max_queue=max_queue)
         run_server(model, config, ServeOptions(host=host, port=port, api_key=api_key, limits=limits, access_log=access_log,
-                                               tokenizer_processes=tokenizer_processes))
+                                               tokenizer_processes=tokenizer_processes, doc_prompt=doc_prompt,
+                                               query_prompt=query_prompt))
 
     _guarded(run, None)
 

@@ -58,7 +58,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence, Sized
+from collections.abc import Awaitable, Callable, Mapping, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -126,10 +126,11 @@ TEI_ERROR_TYPES: dict[int, TeiErrorType] = {424: "Backend", 429: "Overloaded", 5
 TEI_POOLING = {"last": "last_token"}  # TEI's names for pooling modes, where they differ from embedctl's
 # What each refusal means, as /openapi.json describes it.
 REFUSALS = {
-    400: "Malformed JSON, an empty or blank input, or an unknown model; on /v1/embeddings, any invalid request",
+    400: "Malformed JSON, or an empty or blank input; on /v1/embeddings, any invalid request, and more inputs than "
+         "--max-client-batch (as OpenAI answers more than 2,048)",
     401: "A missing or wrong API key (with --api-key)",
-    404: "No such model",
-    413: "More inputs than --max-client-batch, or a body larger than --max-request-bytes",
+    404: "No such model (a request's `model` naming another: code model_not_found, as OpenAI answers it)",
+    413: "More inputs than --max-client-batch (on /v1/embeddings: 400), or a body larger than --max-request-bytes",
     415: "A body declared as anything but JSON",
     422: "An invalid request: a wrong type, an unknown field, a token id outside the vocabulary, an input longer "
          "than the max length with truncate: false",
@@ -175,6 +176,10 @@ class ServeOptions:
     limits: ServeLimits = ServeLimits()
     access_log: bool = False
     tokenizer_processes: int | None = None  # None: default_processes
+    # Put before every text of /v1/embeddings and /embed, and before /rerank's query; None: the model's
+    # document and query prompts, as index and score put them; "": none, as TEI.
+    doc_prompt: str | None = None
+    query_prompt: str | None = None
 
     def __post_init__(self) -> None:
         check_processes(self.tokenizer_processes)
@@ -192,9 +197,14 @@ class ApiError(HTTPException):
     """
 
     def __init__(self, status_code: int, detail: str, headers: dict[str, str] | None = None,
-                 error_type: TeiErrorType | None = None) -> None:
+                 error_type: TeiErrorType | None = None, openai_status: int | None = None,
+                 openai_code: str | None = None) -> None:
         super().__init__(status_code, detail, headers)
         self.error_type = error_type or TEI_ERROR_TYPES.get(status_code, "Validation")
+        # OpenAI's routes answer with its status for this refusal where it differs (OPENAI_STATUS by default),
+        # and its error code where it gives one.
+        self.openai_status = openai_status or OPENAI_STATUS.get(status_code, status_code)
+        self.openai_code = openai_code
 
 
 # Requests and replies. Fields are strict (no "yes" for true, no "5" for 5) and unknown fields are
@@ -399,12 +409,14 @@ def _id_lists(ids: list[int] | list[list[int]]) -> list[list[int]]:
 
 def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = ServeLimits(),
                api_key: str | None = None, normalize: bool | None = None,
-               tokenizer_processes: int | None = None) -> _Front:
+               tokenizer_processes: int | None = None, prompts: Mapping[str, str | None] | None = None) -> _Front:
     """The HTTP app over a loaded engine. Serving it (uvicorn) starts the scheduler and the warm-up.
 
     engine must be loaded with normalize=False: vectors are normalised per request here.
     normalize is what /v1/embeddings does (None: as the model's sentence-transformers files say).
     tokenizer_processes: worker processes for large requests (None: default_processes for the device).
+    prompts: the text put before documents and queries, by role ("document", "query"); a role left out or
+    None takes the model's prompt for it.
     """
     if engine.normalize:
         raise UserError("create_app needs an engine loaded with normalize=False; the server normalises per request")
@@ -414,7 +426,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     if tokenizer_processes is None:
         tokenizer_processes = default_processes(engine.device.type == "cuda")
     service = _Service(engine, tokenizer, limits, engine.files.normalize if normalize is None else normalize,
-                       tokenizer_processes)
+                       tokenizer_processes, prompts or {})
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -428,7 +440,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     app = FastAPI(title="embedctl", version=VERSION, lifespan=lifespan, redirect_slashes=False,
                   description=f"Embeddings and ranking with {engine.files.name}.")
     app.add_exception_handler(HTTPException, _http_error)
-    inference_errors = _error_responses(TeiError, 400, 401, 413, 415, 422, 424, 429, 500, 503)
+    inference_errors = _error_responses(TeiError, 400, 401, 404, 413, 415, 422, 424, 429, 500, 503)
     tokenizer_errors = _error_responses(TeiError, 400, 401, 413, 415, 422, 500)
 
     # _Front serves the POST endpoints; FastAPI only describes them in /docs and answers 405 to other methods.
@@ -437,7 +449,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
 
     for path in EMBEDDINGS_PATHS:
         app.add_api_route(path, embeddings, methods=["POST"], response_model=EmbeddingsResponse,
-                          responses=_error_responses(OpenAIError, 400, 401, 413, 415, 429, 500, 503))
+                          responses=_error_responses(OpenAIError, 400, 401, 404, 413, 415, 429, 500, 503))
 
     @app.post("/embed", response_model=EMBED_REPLY, responses=inference_errors)
     async def embed(body: EmbedRequest) -> None:
@@ -523,7 +535,8 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
         server_log.info("loading the model and capturing its CUDA graphs before answering (--no-warmup starts sooner)")
     engine = Engine.load(model, replace(config, normalize=False))
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
-    app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize, options.tokenizer_processes)
+    app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize, options.tokenizer_processes,
+                     {"document": options.doc_prompt, "query": options.query_prompt})
     server = uvicorn.Server(uvicorn.Config(app, access_log=options.access_log,
                                            timeout_graceful_shutdown=DRAIN_SECONDS))
     shown_host = f"[{options.host}]" if ":" in options.host else options.host  # an IPv6 address, as a URL writes it
@@ -563,7 +576,7 @@ class _Service:
     """What the endpoints share: the engine, the tokenizer pool, the scheduler, the metrics."""
 
     def __init__(self, engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits, normalize: bool,
-                 tokenizer_processes: int) -> None:
+                 tokenizer_processes: int, prompts: Mapping[str, str | None]) -> None:
         self.engine, self.tokenizer, self.limits, self.normalize = engine, tokenizer, limits, normalize
         self.tokenizer_processes = tokenizer_processes
         self.name = engine.files.name
@@ -572,8 +585,8 @@ class _Service:
         # /tokenize shows whole inputs, as TEI's does; the tokenizer of /embed stops at the max length.
         self.untruncated = copy.deepcopy(tokenizer.tokenizer)
         self.untruncated.no_truncation()
-        # What index and score put before documents and queries, so that the vectors agree with theirs.
-        self.prompts = {role: resolve_prompt(engine.files, role, None, None) for role in ("document", "query")}
+        # By default what index and score put before documents and queries, so that the vectors agree with theirs.
+        self.prompts = {role: resolve_prompt(engine.files, role, prompts.get(role), None) for role in ("document", "query")}
         self.started = int(time.time())
         self.metrics = _Metrics()
         self.scheduler: Scheduler | None = None
@@ -696,8 +709,9 @@ class _Service:
             raise ApiError(422, f"prompt_name: {error}") from None
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.names:
-            raise ApiError(400, f"unknown model {model!r}; this server serves {self.name!r} (see GET /v1/models)")
+        if model is not None and model not in self.names:  # 404 "model_not_found", as OpenAI answers
+            raise ApiError(404, f"unknown model {model!r}; this server serves {self.name!r} (see GET /v1/models)",
+                           openai_code="model_not_found")
 
     def check_vectors(self, dimensions: int | None) -> None:
         if self.engine.num_labels:
@@ -796,7 +810,8 @@ class _Service:
             raise _empty(f"{field} is empty; send at least one item")
         if count > self.limits.max_client_batch:
             raise ApiError(413, f"{count} items in one request is more than this server's --max-client-batch "
-                                f"{self.limits.max_client_batch}; split them over several requests")
+                                f"{self.limits.max_client_batch}; split them over several requests",
+                           openai_status=400)  # OpenAI refuses more than 2,048 inputs with 400, and clients split on it
 
     def check_truncation(self, encoded: Encoded, first: int = 0, *, field: str, truncate: bool) -> None:
         """A 422 for the first truncated sequence when truncate is false; `first` is the index of encoded's first."""
@@ -827,7 +842,9 @@ class _Service:
         rows, tokens = await self.tokenize_and_run([query_prompt + query, *(document_prompt + text for text in texts)],
                                                    check_query_then_texts)
         vectors = self.finish(rows, None, True)
-        return vectors[1:] @ vectors[0], tokens
+        # Row by row, not a matrix-vector product, whose BLAS kernel may treat the last rows apart: equal texts
+        # must score equal, so that ties keep their input order.
+        return (vectors[1:] * vectors[0]).sum(axis=1), tokens
 
     def submit(self, encoded: Encoded) -> asyncio.Future:
         """Queue the sequences for the engine; the future settles on the loop with their rows, or the error.
@@ -923,10 +940,10 @@ def _error_reply(path: str, error: ApiError) -> tuple[int, bytes]:
     """The status and JSON body refusing a request to path: TEI's on TEI's routes, OpenAI's elsewhere."""
     if path in TEI_PATHS:
         return error.status_code, orjson.dumps({"error": error.detail, "error_type": error.error_type})
-    status = OPENAI_STATUS.get(error.status_code, error.status_code)
+    status = error.openai_status
     return status, orjson.dumps({"error": {"message": error.detail,
                                            "type": OPENAI_ERROR_TYPES.get(status, "invalid_request_error"),
-                                           "param": None, "code": None}})
+                                           "param": None, "code": error.openai_code}})
 
 
 def _empty(message: str) -> ApiError:

@@ -175,6 +175,9 @@ def test_openai_client_gets_the_vectors_of_embedctl_index(server: Server, client
     assert api.models.retrieve(name).id == name
     with pytest.raises(openai.NotFoundError, match="no model 'text-embedding-3-small' here"):
         api.models.retrieve("text-embedding-3-small")
+    with pytest.raises(openai.NotFoundError, match="unknown model 'text-embedding-3-small'") as unknown:
+        api.embeddings.create(model="text-embedding-3-small", input="x")  # as OpenAI answers an unknown model
+    assert unknown.value.code == "model_not_found"
     as_base64 = api.embeddings.create(model=name, input=texts)  # the client asks for base64 by default
     as_float = api.embeddings.create(model=name, input=texts, encoding_format="float")
     one = api.embeddings.create(model=name, input=texts[3], encoding_format="float")
@@ -343,8 +346,8 @@ def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, mi
         return paths[path][method]["responses"][status]["content"]["application/json"]["schema"]["$ref"].rsplit("/")[-1]
 
     # Each route documents its refusals in the shape it answers them, and no FastAPI 422 it never answers.
-    tei_refusals = {"/embed": "400 413 415 422 424 429 503", "/rerank": "400 413 415 422 424 429 503",
-                    "/": "400 413 415 422 424 429 503", "/invocations": "400 413 415 422 424 429 503",
+    tei_refusals = {"/embed": "400 404 413 415 422 424 429 503", "/rerank": "400 404 413 415 422 424 429 503",
+                    "/": "400 404 413 415 422 424 429 503", "/invocations": "400 404 413 415 422 424 429 503",
                     "/tokenize": "400 413 415 422", "/decode": "400 413 415 422"}
     for path, statuses in tei_refusals.items():
         assert {error_shape(path, "post", status) for status in statuses.split()} == {"TeiError"}
@@ -354,7 +357,7 @@ def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, mi
         assert error_shape(path, "get", "503") == "TeiError" and "warming up" in responses["503"]["description"]
         assert responses["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/Health")
         assert "401" not in responses  # no key needed
-    assert {error_shape("/v1/embeddings", "post", status) for status in "400 401 413 415 429 500 503".split()} == {
+    assert {error_shape("/v1/embeddings", "post", status) for status in "400 401 404 413 415 429 500 503".split()} == {
         "OpenAIError"}
     assert "422" not in paths["/v1/embeddings"]["post"]["responses"]
     assert error_shape("/v1/models/{model}", "get", "404") == "OpenAIError"
@@ -395,7 +398,9 @@ ERRORS = [
     ("token id out of range", "/v1/embeddings", {"input": [101, 10 ** 6]}, KEY, 400, "invalid_request_error",
      "outside the model's vocabulary"),
     ("negative id to /decode", "/decode", {"ids": [101, -1]}, KEY, 422, "Validation", "outside the model's vocabulary 0..30521"),
-    ("unknown model", "/v1/embeddings", {"input": "x", "model": "gpt-4"}, KEY, 400, "invalid_request_error",
+    ("unknown model", "/v1/embeddings", {"input": "x", "model": "gpt-4"}, KEY, 404, "not_found_error",
+     "unknown model 'gpt-4'"),
+    ("unknown model to rerank", "/rerank", {"query": "q", "texts": ["a"], "model": "gpt-4"}, KEY, 404, "Validation",
      "unknown model 'gpt-4'"),
     ("unknown format", "/v1/embeddings", {"input": "x", "encoding_format": "xml"}, KEY, 400, "invalid_request_error",
      "encoding_format"),
@@ -403,6 +408,9 @@ ERRORS = [
      "at most 384"),
     ("zero dimensions", "/embed", {"inputs": "x", "dimensions": 0}, KEY, 422, "Validation", "dimensions"),
     ("too many inputs", "/embed", {"inputs": ["x"] * 33}, KEY, 413, "Validation", "--max-client-batch 32"),
+    # as OpenAI refuses more than 2,048 inputs: clients that split a batch on its 400 split on this one
+    ("too many inputs for OpenAI", "/v1/embeddings", {"input": ["x"] * 33}, KEY, 400, "invalid_request_error",
+     "--max-client-batch 32"),
     ("too many documents", "/rerank", {"query": "q", "documents": ["x"] * 33}, KEY, 413, "Validation",
      "--max-client-batch 32"),
     ("too many to tokenize", "/tokenize", {"inputs": ["x"] * 33}, KEY, 413, "Validation", "--max-client-batch 32"),
@@ -883,6 +891,36 @@ def test_prompts_and_tei_fields_give_the_vectors_index_and_score_would(random_be
     assert [token["id"] for token in tokens] == tokenizer.encode(["passage: hello there"]).ids[0].tolist()
     assert [(token["text"], token["start"]) for token in named_tokens[1:-1]] == [
         ("cluster", 0), (":", 7), ("hello", 9), ("there", 15)]
+
+
+def test_equal_texts_rank_equal_in_their_input_order(client: httpx.Client) -> None:
+    """A matrix-vector product may give the last row another rounding; equal texts must score equal."""
+    same = "Deep learning is a subset of machine learning that uses neural networks with many layers."
+    ranked = client.post("/rerank", json={"query": "what is deep learning", "texts": [same, "cheese", same]}).json()
+    assert [hit["index"] for hit in ranked] == [0, 2, 1] and ranked[0]["score"] == ranked[1]["score"]
+
+
+def test_the_server_puts_the_prompts_it_is_given_or_none(random_bert: Path) -> None:
+    """serve --doc-prompt '' embeds texts as TEI does, without the model's document prompt; --query-prompt
+    replaces its query prompt before /rerank's query."""
+    (random_bert / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"query": "query: ", "document": "passage: "}}))
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+
+    def expected(*texts: str) -> np.ndarray:
+        return unit(engine.embed(tokenizer.encode(list(texts)).ids))
+
+    with serving(create_app(engine, tokenizer, prompts={"document": "", "query": "q: "})) as url:
+        tei = httpx.post(url + "/embed", json={"inputs": "hello there"}).json()
+        openai_style = httpx.post(url + "/v1/embeddings", json={"input": "hello there", "encoding_format": "float"})
+        ranked = httpx.post(url + "/rerank", json={"query": "a question", "texts": ["one", "two"]}).json()
+    np.testing.assert_allclose(tei, expected("hello there"), atol=1e-5)
+    np.testing.assert_allclose(unit(np.array([openai_style.json()["data"][0]["embedding"]])), expected("hello there"),
+                               atol=1e-5)
+    query, one, two = expected("q: a question", "one", "two")
+    assert {hit["index"]: hit["score"] for hit in ranked} == pytest.approx({0: float(one @ query), 1: float(two @ query)},
+                                                                           abs=1e-5)
 
 
 def test_an_engine_failure_is_tei_backend_error_and_openai_server_error(tmp_path: Path) -> None:

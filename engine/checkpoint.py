@@ -238,13 +238,17 @@ def _pooling(path: Path, modules: list[dict]) -> tuple[str, bool]:
 def _dense(path: Path) -> DenseLayer:
     """A Dense module's settings, checked against what the engine runs."""
     settings = _read_json(path / "config.json")
-    activation = str(settings.get("activation_function", "torch.nn.modules.activation.Tanh"))
+    activation = str(settings.get("activation_function", "torch.nn.modules.activation.Tanh"))  # its default
     kind = activation.rsplit(".", 1)[-1]
-    problem = ("its input is not the pooled vector" if settings.get("module_input_name", "sentence_embedding") != "sentence_embedding"
-               else "it adds a residual" if settings.get("use_residual")
-               else f"its activation {activation} is not one of torch.nn's {', '.join(DENSE_ACTIVATIONS)}"
-               if not activation.startswith("torch.") or kind not in DENSE_ACTIVATIONS
-               else "it has no weights" if not any((path / f).is_file() for f in WEIGHT_FILES) else None)
+    problem = None
+    if settings.get("module_input_name", "sentence_embedding") != "sentence_embedding":
+        problem = "its input is not the pooled vector"
+    elif settings.get("use_residual"):
+        problem = "it adds a residual"
+    elif not activation.startswith("torch.") or kind not in DENSE_ACTIVATIONS:
+        problem = f"its activation {activation} is not one of torch.nn's {', '.join(DENSE_ACTIVATIONS)}"
+    elif not any((path / f).is_file() for f in WEIGHT_FILES):
+        problem = "it has no weights"
     if problem:
         raise UserError(f"{path}: embedctl cannot run this Dense module: {problem}")
     try:

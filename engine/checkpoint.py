@@ -35,6 +35,8 @@ DENSE_ACTIVATIONS = ("Tanh", "Identity", "ReLU", "GELU", "Sigmoid", "SiLU")
 # sentence-transformers modules that quantise the output, by class name, and the scheme each applies.
 # pplx-embed-v1's st_quantize.FlexibleQuantizer turns each component x into round(tanh(x) * 127).
 QUANTIZERS = {"FlexibleQuantizer": "int8"}
+# LayerNorm parameters as checkpoints converted from TensorFlow (2019 and before) name them.
+OLD_NORM_NAMES = {"gamma": "weight", "beta": "bias"}
 DIGEST_CACHE_ENTRIES = 64  # weight digests remembered (engine.checkpoint.weights_digest)
 
 
@@ -117,6 +119,9 @@ def match_state_dict(expected: Mapping[str, torch.Tensor], weights: dict[str, to
     state = {}
     for name, tensor in weights.items():
         name = next((name[len(p):] for p in prefixes if name.startswith(p)), name)
+        stem, _, last = name.rpartition(".")
+        if name not in expected and last in OLD_NORM_NAMES:  # as transformers renames them when it loads
+            name = f"{stem}.{OLD_NORM_NAMES[last]}"
         if name in expected or not name.startswith(unused):
             state[name] = tensor
     missing = sorted(set(expected) - set(state))

@@ -130,6 +130,17 @@ def test_missing_weight_is_an_error_not_a_random_init(random_bert) -> None:
         Engine.load(str(random_bert))
 
 
+def test_layer_norms_named_gamma_and_beta_load_as_transformers_loads_them(random_bert) -> None:
+    expected = Engine.load(str(random_bert), EngineConfig(device="cpu")).embed([[101, 2023, 2003, 102]])
+    weights = load_file(random_bert / "model.safetensors")
+    renamed = {name.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): tensor
+               for name, tensor in weights.items()}
+    assert renamed.keys() != weights.keys()
+    save_file(renamed, random_bert / "model.safetensors")
+    np.testing.assert_array_equal(Engine.load(str(random_bert), EngineConfig(device="cpu")).embed([[101, 2023, 2003, 102]]),
+                                  expected)
+
+
 def test_unknown_weight_is_an_error(random_bert) -> None:
     weights = load_file(random_bert / "model.safetensors")
     weights["encoder.layer.9.extra.weight"] = torch.zeros(2)

@@ -5,7 +5,8 @@ Qrels come as a TREC qrels file (`query_id iteration doc_id relevance` per line)
 gains (relevance / log2(rank + 1), ideal order from the judgements), MRR@10 (reciprocal rank of the
 first relevant document in the top 10) and Recall@k (relevant documents found in the run's top k over
 all relevant ones); a document is relevant when its relevance is above 0. Averages are over the
-queries that have at least one relevant judgement; queries without one are counted, not scored.
+queries the qrels judge, as trec_eval's and pytrec_eval's: one whose judgements are all 0 scores 0 on
+each metric; queries the qrels do not name are counted, not scored.
 Judged documents that are not among the documents ranked are normal (judgements pool many systems'
 runs over a larger corpus): they are scored as trec_eval scores them, the relevant ones as never found,
 and counted apart so that the caller can warn, since with a wrong id column almost none are found.
@@ -46,7 +47,7 @@ class Metrics:
     def summary(self) -> str:
         return (f"nDCG@10 {self.ndcg_at_10:.4f}, MRR@10 {self.mrr_at_10:.4f}, Recall@{self.k} {self.recall_at_k:.4f} "
                 f"over {plural(self.queries_scored, 'judged query', 'judged queries')} "
-                f"({self.queries_unjudged:,} without relevant documents)")
+                f"({self.queries_unjudged:,} without judgements)")
 
     def warning(self) -> str | None:
         """What to tell the user about judged documents missing from the ranked set, if any are."""
@@ -91,16 +92,16 @@ def evaluate(query_ids: Sequence[str], doc_ids: Sequence[Sequence[str]], qrels: 
     """Metrics of a run: doc_ids[q] is query q's ranked list, best first, out of documents (every id ranked)."""
     ndcg, mrr, recall = [], [], []
     for query_id, ranked in zip(query_ids, doc_ids):
-        judged = qrels.get(query_id, {})
-        relevant = {doc for doc, relevance in judged.items() if relevance > 0}
-        if not relevant:
+        judged = qrels.get(query_id)
+        if judged is None:
             continue
+        relevant = {doc for doc, relevance in judged.items() if relevance > 0}
         gains = [max(judged.get(doc, 0), 0) for doc in ranked[:CUTOFF]]
         ideal = sorted((relevance for relevance in judged.values() if relevance > 0), reverse=True)[:CUTOFF]
-        ndcg.append(_dcg(gains) / _dcg(ideal))
+        ndcg.append(_dcg(gains) / _dcg(ideal) if ideal else 0.0)
         first = next((rank for rank, doc in enumerate(ranked[:CUTOFF], start=1) if doc in relevant), None)
         mrr.append(1.0 / first if first else 0.0)
-        recall.append(len(relevant.intersection(ranked[:k])) / len(relevant))
+        recall.append(len(relevant.intersection(ranked[:k])) / len(relevant) if relevant else 0.0)
     scored = len(ndcg)
     missing = sorted({doc for judged in qrels.values() for doc in judged}.difference(documents))
     return Metrics(ndcg_at_10=_mean(ndcg), mrr_at_10=_mean(mrr), recall_at_k=_mean(recall), k=k,
@@ -147,7 +148,9 @@ def _json_relevance(value: object) -> int:
 
 
 def _is_int(text: str) -> bool:
-    return text.lstrip("-").isdigit()
+    """An optional minus and ASCII digits, which int() reads (str.isdigit also passes "²", which it does not)."""
+    digits = text.removeprefix("-")
+    return digits.isascii() and digits.isdigit()
 
 
 def _dcg(gains: Sequence[int]) -> float:

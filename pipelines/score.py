@@ -174,7 +174,7 @@ class RunningTopK:
         scores, indices = [], []
         for start in range(0, len(self.queries), QUERY_BLOCK):
             block = slice(start, start + QUERY_BLOCK)
-            merged = torch.cat([self.scores[block], self.queries[block] @ docs.T], dim=1)
+            merged = torch.cat([self.scores[block], _cosines(self.queries[block], docs)], dim=1)
             candidates = torch.cat([self.indices[block], numbers.expand(len(merged), -1)], dim=1)
             # A stable sort rather than topk, whose choice and order among equal scores is unspecified:
             # the running best come first and are already in document order among ties, so ties stay so.
@@ -237,6 +237,9 @@ class StoredVectors:
         metadata = {key.decode(): value.decode() for key, value in (schema.metadata or {}).items()}
         self.settings = {key.removeprefix("embedctl."): value for key, value in metadata.items()
                          if key.startswith("embedctl.")}
+        if "weights_sha256" not in self.settings:  # nothing says which model made its vectors
+            raise UserError(f"{shown} records no embedctl settings (the model and weights its vectors come from); "
+                            "give a table written by `embedctl index`")
         self.has_texts = text_col in schema.names
 
     def query_config(self, spec: ModelSpec, config: EngineConfig) -> EngineConfig:
@@ -247,8 +250,8 @@ class StoredVectors:
         spec is the query model's under config; it must be the model the table was built with (its
         weights' sha256), or the table's dim and max length may mean nothing for it.
         """
-        built = self.settings.get("weights_sha256")
-        if built is not None and built != spec.weights_sha256:
+        built = self.settings["weights_sha256"]
+        if built != spec.weights_sha256:
             raise UserError(f"--index {self.path} was built with the model {self.settings.get('model')!r} (weights "
                             f"sha256 {built[:12]}), not {spec.files.name}; pass the --model it was built with")
         recorded = {"dim": int, "max_length": int, "normalize": lambda value: value == "true"}
@@ -280,6 +283,10 @@ class StoredVectors:
         for batch in self._batches(["id", self.text_col], 4096):
             for doc_id, text in zip(batch.column("id").to_pylist(), batch.column(self.text_col).to_pylist()):
                 if doc_id in wanted:
+                    if not isinstance(text, str):  # a null, or a kept column of numbers
+                        raise UserError(f"--index {self.path}: document {doc_id!r} has {text!r} in its text column "
+                                        f"'{self.text_col}', not a text, so the reranker cannot read it; give "
+                                        "--text-col a column of texts (index --keep text)")
                     found[doc_id] = text
         return found
 
@@ -328,7 +335,9 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
     counts documents."""
     started = time.perf_counter()
     query_prompt = resolve_prompt(engine.files, "query", options.query_prompt, options.query_prompt_name)
-    doc_prompt = resolve_prompt(engine.files, "document", options.doc_prompt, options.doc_prompt_name)
+    # A table's vectors carry the prompt they were indexed with; only documents this run embeds take one.
+    doc_prompt = "" if isinstance(docs, StoredVectors) else resolve_prompt(engine.files, "document", options.doc_prompt,
+                                                                           options.doc_prompt_name)
     top = RunningTopK(_vectors(engine, tokenizer, queries.texts, query_prompt)[0], top_k or options.top_k)
     doc_ids: list[str] = []
     seen: set[str] = set()
@@ -627,14 +636,22 @@ def _hits(ranking: Ranking) -> Iterator[tuple[str, str, int, float]]:
             yield query_id, doc_id, rank_, score
 
 
+def _cosines(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    """queries @ docs.T; for one query row by row, as a matrix-vector product may round a chunk's last rows
+    apart from the others, and equal documents must score equal to keep document order among ties."""
+    return (docs * queries[0]).sum(dim=1, keepdim=True).T if len(queries) == 1 else queries @ docs.T
+
+
+# Scores are written with nine significant digits, which tell any two float32 scores apart: six merged some into
+# ties, which trec_eval orders by document id rather than by the run's rank.
 def _jsonl_lines(ranking: Ranking) -> Iterator[str]:
     for query_id, doc_id, rank_, score in _hits(ranking):
-        yield json.dumps({"query_id": query_id, "doc_id": doc_id, "rank": rank_, "score": round(score, 6)}) + "\n"
+        yield json.dumps({"query_id": query_id, "doc_id": doc_id, "rank": rank_, "score": float(f"{score:.9g}")}) + "\n"
 
 
 def _trec_lines(ranking: Ranking) -> Iterator[str]:
     for query_id, doc_id, rank_, score in _hits(ranking):
-        yield f"{query_id} Q0 {doc_id} {rank_} {score:.6f} {TREC_RUN_TAG}\n"
+        yield f"{query_id} Q0 {doc_id} {rank_} {score:.9g} {TREC_RUN_TAG}\n"
 
 
 def _vectors(engine: Engine, tokenizer: TextTokenizer, texts: list[str], prompt: str) -> tuple[torch.Tensor, int]:

@@ -184,9 +184,11 @@ def test_jsonl_rows_to_stdout(sample_ranking: tuple[Queries, Ranking], capsys: p
     queries, ranking = sample_ranking
     write_run(ranking, ScoreOptions(queries=str(QUERIES), docs=str(CORPUS)))
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert rows == [{"query_id": q, "doc_id": d, "rank": r, "score": round(float(s), 6)}
-                    for q, hits, scores in zip(queries.ids, ranking.doc_ids, ranking.scores)
-                    for r, (d, s) in enumerate(zip(hits, scores), start=1)]
+    expected = [(q, d, r, s) for q, hits, scores in zip(queries.ids, ranking.doc_ids, ranking.scores)
+                for r, (d, s) in enumerate(zip(hits, scores), start=1)]
+    assert [(row["query_id"], row["doc_id"], row["rank"]) for row in rows] == [hit[:3] for hit in expected]
+    # each score reads back as the very float32 the ranking holds
+    assert [np.float32(row["score"]) for row in rows] == [np.float32(hit[3]) for hit in expected]
 
 
 def test_a_run_to_dev_stdout_reaches_a_pipe_and_a_redirected_file() -> None:
@@ -225,16 +227,17 @@ def test_metrics_equal_the_values_worked_out_by_hand(tmp_path: Path, documents: 
     qrels_file = tmp_path / "qrels.txt"
     qrels_file.write_text("q1 0 a 2\nq1 0 b 1\nq1 0 z 1\nq2 0 c 1\nq3 0 d 0\n")
     qrels = read_qrels(str(qrels_file), ["q1", "q2", "q3"])
-    run = [["x", "a", "b"], ["c", "y", "w"], ["d", "e", "f"]]
-    metrics = evaluate(["q1", "q2", "q3"], run, qrels, 3, documents)
+    run = [["x", "a", "b"], ["c", "y", "w"], ["d", "e", "f"], ["g", "h", "i"]]
+    metrics = evaluate(["q1", "q2", "q3", "q4"], run, qrels, 3, documents)
     # q1: gains 0, 2, 1 -> DCG 2/log2(3) + 1/2; ideal 2, 1, 1 -> 2 + 1/log2(3) + 1/2; first hit at rank 2;
-    # 2 of 3 relevant found. q2: perfect at rank 1. q3 has no relevant document: counted, not scored.
+    # 2 of 3 relevant found. q2: perfect at rank 1. q3, judged without a relevant document, scores 0 on each,
+    # as in trec_eval; q4, not judged, is counted, not scored.
     # z, relevant to q1, is not found whether or not it is among the documents, as in trec_eval.
     ndcg_q1 = (2 / np.log2(3) + 0.5) / (2 + 1 / np.log2(3) + 0.5)
-    assert metrics.ndcg_at_10 == pytest.approx((ndcg_q1 + 1) / 2)
-    assert metrics.mrr_at_10 == pytest.approx((0.5 + 1) / 2)
-    assert metrics.recall_at_k == pytest.approx((2 / 3 + 1) / 2)
-    assert (metrics.queries_scored, metrics.queries_unjudged) == (2, 1)
+    assert metrics.ndcg_at_10 == pytest.approx((ndcg_q1 + 1 + 0) / 3)
+    assert metrics.mrr_at_10 == pytest.approx((0.5 + 1 + 0) / 3)
+    assert metrics.recall_at_k == pytest.approx((2 / 3 + 1 + 0) / 3)
+    assert (metrics.queries_scored, metrics.queries_unjudged) == (3, 1)
     assert (metrics.docs_missing, metrics.docs_missing_examples) == (len(missing), missing)
 
 
@@ -262,6 +265,8 @@ def test_qrels_starting_with_a_byte_order_mark_read_as_without(tmp_path: Path, n
     ("q9 0 a 1\n", ["judges 1 query not in the query set", "'q9'"]),
     ("q1 0 a\n", ["line 1", "query_id iteration doc_id relevance"]),
     ("q1 0 a high\n", ["line 1", "integer relevance"]),
+    ("q1 0 a --1\n", ["line 1", "integer relevance"]),
+    ("q1 0 a 1\u00b2\n", ["line 1", "integer relevance"]),  # str.isdigit passes the superscript, int() does not
     ('{"query_id": "q1"}\n', ["line 1", "JSON object"]),
     ("\n", ["holds no judgements"]),
 ])
@@ -574,6 +579,39 @@ def test_index_table_with_a_repeated_id_is_refused(sample_table: Path, tmp_path:
     with pytest.raises(UserError, match=f"duplicate document id '{doc_id}'; if an `embedctl index` run into it was cut "
                                         "off, run it again to finish it, else rebuild the table"):
         rank(model.engine, model.tokenizer, inputs.queries, inputs.table, options)
+
+
+def test_a_table_without_embedctl_settings_or_with_a_null_text_is_one_line(sample_table: Path, tmp_path: Path,
+                                                                             model: Embedder) -> None:
+    import lancedb
+
+    table = lancedb.connect(str(sample_table.parent)).open_table("vectors").to_arrow()
+    plain = tmp_path / "plain.parquet"  # its id and vector columns, without the settings index records
+    pq.write_table(table.select(["id", "vector"]).replace_schema_metadata(None), plain)
+    with pytest.raises(UserError, match="records no embedctl settings .* give a table written by `embedctl index`"):
+        open_inputs(ScoreOptions(queries=str(QUERIES), index=str(plain)))
+
+    holed = tmp_path / "holed.parquet"
+    texts = table.column("text").to_pylist()
+    texts[4] = None
+    pq.write_table(table.set_column(table.schema.get_field_index("text"), "text", pa.array(texts, pa.string())), holed)
+    inputs = open_inputs(ScoreOptions(queries=str(QUERIES), index=str(holed)))
+    doc_id = table.column("id")[4].as_py()
+    with pytest.raises(UserError, match=f"document '{doc_id}' has None in its text column 'text', not a text"):
+        score.document_texts(inputs, {doc_id})
+
+
+def test_equal_documents_score_equal_for_a_single_query() -> None:
+    """A matrix-vector product rounds a chunk's last rows apart from the others (half of these sizes, with
+    numpy's BLAS); equal documents must still score equal, so that ties keep document order."""
+    torch.manual_seed(0)
+    for n in range(2, 60):
+        docs = torch.nn.functional.normalize(torch.randn(n, 384), dim=1)
+        docs[-1] = docs[0]
+        top = RunningTopK(torch.nn.functional.normalize(torch.randn(1, 384), dim=1), n)
+        top.add(docs)
+        order, scores = top.indices[0].tolist(), top.scores[0].tolist()
+        assert scores[order.index(0)] == scores[order.index(n - 1)] and order.index(0) < order.index(n - 1)
 
 
 def test_a_directory_of_parquet_parts_ranks_like_the_lance_table(sample_table: Path, sample_ranking: tuple[Queries, Ranking],

@@ -111,10 +111,13 @@ class Scheduler:
         with self._lock:
             self._cancel(request)
 
-    def _cancel(self, request: _Request) -> None:
-        if not request.failed and request.remaining > 0:
-            request.failed = True
-            self.stats.depth -= request.count
+    def _cancel(self, request: _Request) -> bool:
+        """Mark an unanswered request failed and take its sequences off the depth; whether it was one."""
+        if request.failed or request.remaining == 0:
+            return False
+        request.failed = True
+        self.stats.depth -= request.count
+        return True
 
     def check_room(self, count: int) -> None:
         """Raise as submit() would for a request of `count` sequences now, admitting nothing: for a caller
@@ -211,9 +214,7 @@ class Scheduler:
 
     def _fail(self, batch: PackedBatch, error: BaseException) -> None:
         with self._lock:
-            failed = {id(request): request for request, _ in batch.tags if not request.failed}
-            for request in failed.values():
-                request.failed = True
-            self.stats.depth -= sum(request.count for request in failed.values())
-        for request in failed.values():
+            in_batch = dict.fromkeys(request for request, _ in batch.tags)
+            failed = [request for request in in_batch if self._cancel(request)]
+        for request in failed:
             request.deliver(error)

@@ -40,6 +40,8 @@ from typer.testing import CliRunner
 from embedctl.cli import app as cli
 from embedctl.serve import CLIENT_GONE, WATCH_BYTES, ServeLimits, create_app
 from engine import Engine, EngineConfig, UserError
+from engine.batch import PackedBatch
+from engine.lazy import LazyTensor
 from engine.scheduler import QueueFull, Scheduler
 from pipelines.tokenize import TextTokenizer
 from tests.files import ENV, assert_one_error_line, write_jsonl
@@ -995,6 +997,33 @@ def test_a_cancelled_request_leaves_the_queue_and_is_never_answered(random_bert:
     assert scheduler.stats.depth == 0 and scheduler.stats.sequences < 10  # the cancelled sequences never ran
     scheduler.cancel(cancelled)  # cancelling again, or an answered request, changes nothing
     assert scheduler.stats.depth == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failing_batch_answers_each_of_its_requests_once_with_the_error(random_bert: Path, device: str) -> None:
+    engine = Engine.load(str(random_bert), EngineConfig(device=device, max_batch_tokens=64, max_length=32))
+    step, failures = engine.step, [RuntimeError("the device fell over")]
+
+    def failing_once(batch: PackedBatch) -> LazyTensor:
+        if failures:
+            raise failures.pop()
+        return step(batch)
+
+    engine.step = failing_once
+    scheduler = Scheduler(engine, max_queue=100)
+    answers: dict[str, list] = {"two": [], "one": []}
+    sequence = np.arange(100, 110, dtype=np.int32)
+    scheduler.submit([sequence, sequence], answers["two"].append)  # both in the first batch, which fails
+    scheduler.submit([sequence], answers["one"].append)
+    scheduler.close()
+    assert [str(answer) for answer in answers["two"]] == ["the device fell over"]
+    assert [str(answer) for answer in answers["one"]] == ["the device fell over"]
+    assert scheduler.stats.depth == 0 and scheduler.stats.batches == 0
+    after = Scheduler(engine, max_queue=100)
+    answer: list = []
+    after.submit([sequence], answer.append)
+    after.close()
+    assert len(answer) == 1 and answer[0].shape == (1, engine.dim)
 
 
 @pytest.mark.parametrize("device", DEVICES)

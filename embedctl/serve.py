@@ -63,7 +63,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union
 
 import numpy as np
 import orjson
@@ -226,18 +226,35 @@ class EmbeddingsRequest(_Strict):
     @field_validator("input", mode="before")
     @classmethod
     def _input_shape(cls, value: Any) -> Any:
-        if isinstance(value, str) or _list_of(value, str) or _token_ids(value):
-            return value
-        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+        return _texts_or_token_ids(value)
 
 
-class _Texts(_Strict):
-    """TEI's texts with a prompt in front: /embed's and /tokenize's."""
+class _Prompted(_Strict):
+    """TEI's prompt option: /embed's and /tokenize's."""
 
-    ids_go_to: ClassVar[str]  # where a client who sent token ids as inputs is sent instead
-    inputs: Union[str, list[str]]
     prompt_name: str | None = Field(default=None, description="A prompt of the model's sentence-transformers "
                                     "config to put before every input (default: its document prompt, as index uses)")
+
+
+class EmbedRequest(_Prompted):
+    inputs: Union[str, list[str], list[int], list[list[int]]] = Field(
+        description="A text, a list of texts, one token-id list, or a list of token-id lists (the model's own ids, "
+                    "special tokens included, which get no prompt)")
+    normalize: bool = True
+    truncate: bool | None = Field(default=None, description="null or true: cut over-long inputs; false: refuse them")
+    truncation_direction: Literal["right", "Right", "left", "Left"] = Field(
+        default="right", description="Where an over-long text is cut: right keeps its start, left its end")
+    dimensions: int | None = Field(default=None, ge=1)
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs_shape(cls, value: Any) -> Any:
+        return _texts_or_token_ids(value)
+
+
+class TokenizeRequest(_Prompted):
+    inputs: Union[str, list[str]]
+    add_special_tokens: bool = True
 
     @field_validator("inputs", mode="before")
     @classmethod
@@ -245,22 +262,8 @@ class _Texts(_Strict):
         # one message instead of pydantic's per-branch ones ("inputs.str: ...; inputs.list[str].0: ...")
         if isinstance(value, str) or _list_of(value, str):
             return value
-        hint = f" (token ids go to {cls.ids_go_to})" if _list_of(value, int) else ""
+        hint = " (token ids go to POST /decode, which gives their text)" if _list_of(value, int) else ""
         raise ValueError(f"must be a string or a list of strings{hint}")
-
-
-class EmbedRequest(_Texts):
-    ids_go_to = "POST /v1/embeddings"
-    normalize: bool = True
-    truncate: bool | None = Field(default=None, description="null or true: cut over-long inputs; false: refuse them")
-    truncation_direction: Literal["right", "Right"] = Field(
-        default="right", description="TEI's field; only right (keep the start of the text) is supported")
-    dimensions: int | None = Field(default=None, ge=1)
-
-
-class TokenizeRequest(_Texts):
-    ids_go_to = "POST /decode, which gives their text"
-    add_special_tokens: bool = True
 
 
 class DecodeRequest(_Strict):
@@ -284,7 +287,7 @@ class RerankRequest(_Strict):
     return_text: bool = Field(default=False, description="TEI's name for return_documents")
     raw_scores: bool = Field(default=False, description="TEI's field: a cross-encoder's logits instead of their sigmoid")
     truncate: bool | None = None
-    truncation_direction: Literal["right", "Right"] = "right"
+    truncation_direction: Literal["right", "Right", "left", "Left"] = "right"
     model: str | None = None
 
     @model_validator(mode="after")
@@ -400,6 +403,13 @@ def _list_of(value: Any, kind: type) -> bool:
 def _token_ids(value: Any) -> bool:
     """Whether value is one token-id list or a list of them."""
     return _list_of(value, int) or (isinstance(value, list) and all(_list_of(item, int) for item in value))
+
+
+def _texts_or_token_ids(value: Any) -> Any:
+    """Inputs as the OpenAI and TEI APIs take them; else one message, instead of pydantic's one per branch."""
+    if isinstance(value, str) or _list_of(value, str) or _token_ids(value):
+        return value
+    raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
 def _id_lists(ids: list[int] | list[list[int]]) -> list[list[int]]:
@@ -641,8 +651,18 @@ class _Service:
 
     async def embed(self, body: EmbedRequest) -> bytes:
         self.check_vectors(body.dimensions)
-        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        vectors, _ = await self.run_texts(texts, "inputs", body.truncate is not False, self.prompt(body.prompt_name))
+        truncate, from_left = body.truncate is not False, body.truncation_direction.lower() == "left"
+        inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        if not inputs or isinstance(inputs[0], str):
+            vectors, _ = await self.run_texts(inputs, "inputs", truncate, self.prompt(body.prompt_name), from_left)
+        elif body.prompt_name is not None:
+            raise ApiError(422, "prompt_name applies to texts, not token ids; put the prompt's ids in front of "
+                                "each list, or send texts")
+        elif from_left:
+            raise ApiError(422, "truncation_direction left applies to texts, not token ids; cut the lists to the "
+                                f"model's max length of {self.engine.max_length} yourself, or send texts")
+        else:
+            vectors, _ = await self.run_ids(_id_lists(body.inputs), "inputs", truncate)
         return _dumps(self.finish(vectors, body.dimensions, body.normalize))
 
     async def rerank(self, body: RerankRequest) -> bytes:
@@ -652,7 +672,8 @@ class _Service:
         if body.raw_scores and self.engine.num_labels:
             raise ApiError(422, "raw_scores: true is not supported: this server answers with the sigmoid of the "
                                 "cross-encoder's logit; send raw_scores: false")
-        scores, tokens = await self.scores(body.query, texts, body.truncate is not False, "documents" if cohere else "texts")
+        field, from_left = "documents" if cohere else "texts", body.truncation_direction.lower() == "left"
+        scores, tokens = await self.scores(body.query, texts, body.truncate is not False, field, from_left)
         order = np.argsort(-scores, kind="stable")[: body.top_n]
         with_text = body.return_documents or body.return_text
         if cohere:
@@ -728,23 +749,33 @@ class _Service:
             value = [value]
         if value and isinstance(value[0], str):
             return await self.run_texts(value, "input", True, self.prompts["document"])
-        sequences = _id_lists(value)
-        self.check_token_ids(sequences, "input")
+        return await self.run_ids(_id_lists(value), "input", True)
+
+    async def run_ids(self, sequences: list[list[int]], field: str, truncate: bool) -> tuple[np.ndarray, int]:
+        """Check the token-id lists; the rows and token count of each, cut at the max length as a text is."""
+        self.check_token_ids(sequences, field)
         limit = self.engine.max_length
         encoded = Encoded(ids=[self.tokenizer.cut_ids(ids, limit) for ids in sequences],
                           truncated=[len(ids) > limit for ids in sequences])
+        self.check_truncation(encoded, field=field, truncate=truncate)
         return await self.rows(self.submit(encoded)), _token_count(encoded)
 
-    async def run_texts(self, texts: Sequence[str], field: str, truncate: bool, prompt: str = "") -> tuple[np.ndarray, int]:
-        """Check the texts; the rows and token count of each with the prompt in front of it."""
+    async def run_texts(self, texts: Sequence[str], field: str, truncate: bool, prompt: str = "",
+                        from_left: bool = False) -> tuple[np.ndarray, int]:
+        """Check the texts; the rows and token count of each with the prompt in front of it, an over-long one
+        losing its end (or with from_left its start)."""
         self.check_texts(texts, field)
         return await self.tokenize_and_run([prompt + text for text in texts] if prompt else texts,
-                                           functools.partial(self.check_truncation, field=field, truncate=truncate))
+                                           functools.partial(self.check_truncation, field=field, truncate=truncate),
+                                           encode=self.tokenizer.encode_from_left if from_left else None)
 
     async def tokenize_and_run(self, texts: Sequence[str], check: Callable[[Encoded, int], None],
-                               seconds: Sequence[str] | None = None) -> tuple[np.ndarray, int]:
+                               seconds: Sequence[str] | None = None,
+                               encode: Callable[..., Encoded] | None = None) -> tuple[np.ndarray, int]:
         """The engine's rows for the texts, or for the pairs (texts[i], seconds[i]), and their token count.
         check(encoded, first) sees each tokenized part (first: the index of its first text) before it is queued.
+        encode: another tokenization than TextTokenizer.encode / encode_pairs (encode_from_left), in this
+        process, for requests rare enough not to need the workers.
 
         A request of many texts is spread over the worker processes when there are workers, else
         tokenized as tokenize() decides. A spread request's parts join the engine's queue one by one as
@@ -756,9 +787,10 @@ class _Service:
         all the same (check, or a queue that other requests filled meanwhile) fails the request, and
         the parts queued before it are cancelled (those already in a batch run, unread).
         """
-        if len(texts) < WORKER_TEXTS or not self.workers.in_workers:
-            encoded = await (self.tokenize(self.tokenizer.encode, texts) if seconds is None
-                             else self.tokenize(self.tokenizer.encode_pairs, texts, seconds))
+        if encode is not None or len(texts) < WORKER_TEXTS or not self.workers.in_workers:
+            inputs = (texts,) if seconds is None else (texts, seconds)
+            encode = encode or (self.tokenizer.encode if seconds is None else self.tokenizer.encode_pairs)
+            encoded = await self.tokenize(encode, *inputs)
             check(encoded, 0)
             return await self.rows(self.submit(encoded)), _token_count(encoded)
         try:
@@ -820,14 +852,17 @@ class _Service:
             raise ApiError(422, f"{field}[{i}] is longer than the model's max length of {self.engine.max_length} tokens "
                                 "and truncate is false; shorten it or send truncate: true")
 
-    async def scores(self, query: str, texts: Sequence[str], truncate: bool, field: str) -> tuple[np.ndarray, int]:
-        """Relevance of each text to the query, and the tokens it took: cross-encoder scores or cosines."""
+    async def scores(self, query: str, texts: Sequence[str], truncate: bool, field: str,
+                     from_left: bool = False) -> tuple[np.ndarray, int]:
+        """Relevance of each text to the query, and the tokens it took: cross-encoder scores or cosines. An
+        over-long input loses its end, or with from_left its start."""
         if not query or query.isspace():
             raise _empty("query is blank; send text with at least one non-space character")
         self.check_texts(texts, field)
         check_truncated = functools.partial(self.check_truncation, field=field, truncate=truncate)
+        encode = self.tokenizer.encode_from_left if from_left else None
         if self.engine.num_labels:
-            rows, tokens = await self.tokenize_and_run([query] * len(texts), check_truncated, texts)
+            rows, tokens = await self.tokenize_and_run([query] * len(texts), check_truncated, texts, encode)
             return rows[:, 0], tokens
 
         def check_query_then_texts(encoded: Encoded, first: int) -> None:
@@ -840,7 +875,7 @@ class _Service:
 
         query_prompt, document_prompt = self.prompts["query"], self.prompts["document"]
         rows, tokens = await self.tokenize_and_run([query_prompt + query, *(document_prompt + text for text in texts)],
-                                                   check_query_then_texts)
+                                                   check_query_then_texts, encode=encode)
         vectors = self.finish(rows, None, True)
         # Row by row, not a matrix-vector product, whose BLAS kernel may treat the last rows apart: equal texts
         # must score equal, so that ties keep their input order.

@@ -178,6 +178,25 @@ class TextTokenizer:
         pieces.no_truncation()
         return pieces
 
+    @functools.cached_property
+    def _from_left(self) -> Tokenizer:
+        left = copy.deepcopy(self.tokenizer)
+        left.enable_truncation(self.max_length, direction="left")
+        return left
+
+    def encode_from_left(self, firsts: Sequence[str], seconds: Sequence[str] | None = None) -> Encoded:
+        """encode(firsts), or encode_pairs(firsts, seconds), but an over-long input loses its start instead
+        of its end: the library's own truncation with direction left, which text-embeddings-inference's
+        truncation_direction "Left" asks for (a pair is cut longest first, each text from its start).
+        Through the library whole, for a rare request: none of encode()'s shortcuts."""
+        if seconds is None:
+            encodings = self._from_left.encode_batch([text.strip() for text in firsts])
+            return Encoded(ids=[np.asarray(e.ids, dtype=np.int32) for e in encodings],
+                           truncated=[bool(e.overflowing) for e in encodings])
+        pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
+        results = dict(enumerate(_pair_result(e) for e in self._from_left.encode_batch(pairs)))
+        return _encoded_pairs(results, len(pairs))
+
     def cut_ids(self, ids: Sequence[int], limit: int) -> np.ndarray:
         """Token ids cut to `limit` as a text's are: ids that end as the model's template ends a text
         (with [SEP], as /tokenize gives them) keep that end, the cut falling before it."""

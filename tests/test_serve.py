@@ -202,9 +202,12 @@ def test_token_ids_give_the_vectors_of_their_texts(client: httpx.Client, texts, 
     ids = [ids.tolist() for ids in TextTokenizer(minilm_dir / "tokenizer.json", 256).encode(texts[:3]).ids]
     many = client.post("/v1/embeddings", json={"input": ids})
     single = client.post("/v1/embeddings", json={"input": ids[1]})
-    assert many.status_code == single.status_code == 200, many.text
+    tei_many, tei_single = (client.post("/embed", json={"inputs": value}) for value in (ids, ids[1]))  # TEI takes ids too
+    assert many.status_code == single.status_code == tei_many.status_code == tei_single.status_code == 200, many.text
     np.testing.assert_allclose([item["embedding"] for item in many.json()["data"]], indexed[0][:3], atol=1e-5)
     np.testing.assert_allclose(single.json()["data"][0]["embedding"], indexed[0][1], atol=1e-5)
+    np.testing.assert_allclose(tei_many.json(), indexed[0][:3], atol=1e-5)
+    np.testing.assert_allclose(tei_single.json(), indexed[0][1:2], atol=1e-5)
     assert many.json()["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
 
 
@@ -215,6 +218,21 @@ def test_token_ids_past_the_max_length_are_cut_as_their_text_is(client: httpx.Cl
     by_ids, by_text = (client.post("/v1/embeddings", json={"input": value}).json()["data"][0]["embedding"]
                        for value in ([ids], LONG))
     np.testing.assert_allclose(by_ids, by_text, atol=1e-5)
+
+
+def test_truncation_direction_left_keeps_the_end_of_a_long_text(client: httpx.Client) -> None:
+    """TEI's truncation_direction "Left": the library's own truncation from the start, special tokens kept."""
+    long = " ".join(f"item {i}" for i in range(300))
+    whole = [token["id"] for token in client.post("/tokenize", json={"inputs": long}).json()[0]]
+    limit = client.get("/info").json()["max_input_length"]
+    assert len(whole) > limit and (whole[0], whole[-1]) == (101, 102)
+    end_kept = [whole[0], *whole[len(whole) - limit + 1:]]  # [CLS], then the text's last tokens and [SEP]
+    left, by_ids, right = (client.post("/embed", json=body).json() for body in (
+        {"inputs": long, "truncation_direction": "Left"}, {"inputs": end_kept}, {"inputs": long}))
+    np.testing.assert_allclose(left, by_ids, atol=1e-5)
+    assert not np.allclose(left, right, atol=1e-2)
+    refused = client.post("/embed", json={"inputs": long, "truncation_direction": "left", "truncate": False})
+    assert refused.status_code == 422 and "inputs[0] is longer" in refusal(refused)[0]
 
 
 def test_dimensions_cut_then_renormalise_and_embed_can_return_raw_vectors(client: httpx.Client, texts, indexed) -> None:
@@ -381,8 +399,14 @@ ERRORS = [
     ("not an object", "/embed", b"[1, 2]", KEY, 422, "Validation", "JSON object"),
     ("wrong input type", "/v1/embeddings", {"input": 5}, KEY, 400, "invalid_request_error", "input: must be a string"),
     ("mixed input", "/v1/embeddings", {"input": ["a", 1]}, KEY, 400, "invalid_request_error", "list of token ids"),
-    ("null inputs", "/embed", {"inputs": None}, KEY, 422, "Validation", "inputs: must be a string or a list of strings"),
-    ("token ids to /embed", "/embed", {"inputs": [101, 102]}, KEY, 422, "Validation", "token ids go to POST /v1/embeddings"),
+    ("null inputs", "/embed", {"inputs": None}, KEY, 422, "Validation", "inputs: must be a string, a list of strings"),
+    ("texts and ids mixed", "/embed", {"inputs": ["a", [101, 102]]}, KEY, 422, "Validation", "list of token-id lists"),
+    ("token ids with a prompt", "/embed", {"inputs": [101, 102], "prompt_name": "query"}, KEY, 422, "Validation",
+     "prompt_name applies to texts, not token ids"),
+    ("token ids cut from the left", "/embed", {"inputs": [101, 102], "truncation_direction": "Left"}, KEY, 422,
+     "Validation", "truncation_direction left applies to texts"),
+    ("long token ids, truncate false", "/embed", {"inputs": [[101] + [2773] * 300 + [102]], "truncate": False}, KEY, 422,
+     "Validation", "inputs[0] is longer than the model's max length of 256 tokens"),
     ("token ids to /tokenize", "/tokenize", {"inputs": [101, 102]}, KEY, 422, "Validation", "token ids go to POST /decode"),
     ("texts to /decode", "/decode", {"ids": ["hello"]}, KEY, 422, "Validation", "ids: must be a list of token ids"),
     ("wrong flag type", "/embed", {"inputs": "x", "normalize": "yes"}, KEY, 422, "Validation", "normalize"),
@@ -801,6 +825,7 @@ def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path)
         invoked = httpx.post(url + "/invocations", json={"query": query, "texts": docs}).json()  # so does SageMaker's
         paths = httpx.get(url + "/openapi.json").json()["paths"]
         cut = httpx.post(url + "/rerank", json={"query": query, "texts": docs, "truncate": False})
+        from_left = httpx.post(url + "/rerank", json={"query": query, "texts": docs, "truncation_direction": "Left"}).json()
         vectors = httpx.post(url + "/embed", json={"inputs": "x"})
         openai_vectors = httpx.post(url + "/v1/embeddings", json={"input": "x"})
         info = httpx.get(url + "/info").json()
@@ -810,6 +835,15 @@ def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path)
     for path in ("/", "/invocations"):
         assert paths[path]["post"]["requestBody"] == paths["/rerank"]["post"]["requestBody"]
     assert cut.status_code == 422 and "texts[1] is longer" in refusal(cut)[0]
+    left_pairs = tokenizer.encode_from_left([query] * len(docs), docs)
+    assert left_pairs.truncated == [False, True, False, False] and left_pairs.ids[1][-2] != pairs.ids[1][-2]
+    with torch.no_grad():
+        left_expected = [torch.sigmoid(reference(input_ids=torch.from_numpy(ids).long()[None],
+                                                 token_type_ids=torch.from_numpy(types).long()[None]).logits).item()
+                         for ids, types in zip(left_pairs.ids, left_pairs.type_ids)]
+    np.testing.assert_allclose([hit["score"] for hit in from_left], [left_expected[hit["index"]] for hit in from_left],
+                               atol=1e-5)
+    assert {hit["index"] for hit in from_left} == set(range(len(docs)))
     assert vectors.status_code == 422 and "cross-encoder" in refusal(vectors)[0]
     assert openai_vectors.status_code == 400 and "cross-encoder" in refusal(openai_vectors)[0]
     assert info["model_type"] == {"reranker": {"id2label": config["id2label"], "label2id": config["label2id"]}}
@@ -875,7 +909,6 @@ def test_prompts_and_tei_fields_give_the_vectors_index_and_score_would(random_be
         ranked = httpx.post(url + "/rerank", json={"query": "a question", "texts": ["one", "two"],
                                                    "raw_scores": False}).json()
         unknown = httpx.post(url + "/embed", json={"inputs": "x", "prompt_name": "nope"})
-        left = httpx.post(url + "/embed", json={"inputs": "x", "truncation_direction": "left"})
         tokens = httpx.post(url + "/tokenize", json={"inputs": "hello there"}).json()[0]
         named_tokens = httpx.post(url + "/tokenize", json={"inputs": "hello there", "prompt_name": "clustering"}).json()[0]
     # This model has no Normalize module, so /v1/embeddings answers its raw vector.
@@ -888,7 +921,6 @@ def test_prompts_and_tei_fields_give_the_vectors_index_and_score_would(random_be
                                                                            abs=1e-5)
     message, error_type = refusal(unknown)
     assert unknown.status_code == 422 and "no prompt named 'nope'" in message and error_type == "Validation"
-    assert left.status_code == 422 and "truncation_direction" in refusal(left)[0]
     # /tokenize shows what /embed embeds: the document prompt first, unless prompt_name names another
     assert [token["id"] for token in tokens] == tokenizer.encode(["passage: hello there"]).ids[0].tolist()
     assert [(token["text"], token["start"]) for token in named_tokens[1:-1]] == [

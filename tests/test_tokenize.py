@@ -500,3 +500,20 @@ def test_token_ids_are_cut_as_their_text_is(tokenizers_dir: Path, kind: str) -> 
     assert tokenizer.cut_ids(whole[:10], 16).tolist() == whole[:10]
     if kind != "bpe":
         assert tokenizer.cut_ids(whole[1:-1], 16).tolist() == whole[1:17]
+
+
+def test_encode_from_left_keeps_the_end_of_a_text_and_of_a_pairs_longer_text(minilm_dir: Path) -> None:
+    """TEI's truncation_direction "Left": the start is cut, the special tokens stay; in a pair, longest first."""
+    tokenizer = TextTokenizer(minilm_dir / "tokenizer.json", 16)
+    text = " ".join(f"item {i}" for i in range(20))
+    library = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    library.no_padding()  # the file pads to 128 and cuts there
+    library.no_truncation()
+    words, query = (library.encode(part, add_special_tokens=False).ids for part in (text, "a query"))
+    left = tokenizer.encode_from_left([text, "  short  "])
+    assert [ids.tolist() for ids in left.ids] == [[101, *words[-14:], 102], tokenizer.encode(["short"]).ids[0].tolist()]
+    assert left.truncated == [True, False] and left.type_ids is None
+    pair = tokenizer.encode_from_left(["a query"], [text])
+    room = 16 - 3 - len(query)  # the query, shorter, is kept whole
+    assert pair.ids[0].tolist() == [101, *query, 102, *words[-room:], 102] and pair.truncated == [True]
+    assert pair.type_ids[0].tolist() == [0] * (len(query) + 2) + [1] * (room + 1)

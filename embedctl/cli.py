@@ -85,6 +85,7 @@ def _commands(
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory or hub id (default: all-MiniLM-L6-v2, offline).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda when present).")]
+IndexDeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda or cuda:N, or several GPUs as cuda:0,cuda:1, each running a copy of the model (default: cuda when present).")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU).")]
 # The engine's options, the same for every command that loads a model.
 BatchTokensOpt = Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU).")]
@@ -122,7 +123,7 @@ def index(
     max_length: MaxLengthOpt = None,
     dim: DimOpt = None,
     normalize: Annotated[Optional[bool], typer.Option("--normalize/--no-normalize", help="L2-normalise (default: as the model says).")] = None,
-    device: DeviceOpt = None,
+    device: IndexDeviceOpt = None,
     dtype: DtypeOpt = None,
     attention: AttentionOpt = "auto",
     eager: EagerOpt = False,
@@ -147,7 +148,8 @@ def index(
 
     def run() -> None:
         _check_report_path(report)
-        config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
+        devices = _devices(device)
+        config = EngineConfig(device=devices[0], dtype=dtype, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                               cuda_graphs=not eager, compile=fuse, warmup=warmup, attention=attention, normalize=normalize,
                               dim=dim, max_length=max_length, lanes=lanes)
         options = IndexOptions(source=source, out=out, table=table, text_col=text_col, id_col=id_col,
@@ -157,17 +159,18 @@ def index(
         corpus = open_corpus(options)  # a wrong path or a bad file should not wait for a model to load
         spec = ModelSpec.of(resolve_model(model), config)
 
-        def load_engine(spec: ModelSpec) -> Engine:
+        def load_engines(spec: ModelSpec) -> list[Engine]:
             from engine import Engine
 
-            engine = Engine.load(spec, config)
+            engines = [Engine.load(spec, replace(config, device=name)) for name in devices]
             if verbose:
-                typer.echo(f"model {spec.files.name} on {engine.device} ({engine.dtype}), attention "
-                           f"{engine.attention_label}, dim {spec.dim}, max length {spec.max_length}, "
-                           f"pooling {spec.pooling}", err=True)
-            return engine
+                for engine in engines:
+                    typer.echo(f"model {spec.files.name} on {engine.device} ({engine.dtype}), attention "
+                               f"{engine.attention_label}, dim {spec.dim}, max length {spec.max_length}, "
+                               f"pooling {spec.pooling}", err=True)
+            return engines
 
-        index_model = IndexModel(spec, load_engine, on_gpu=lambda: config.torch_device().type == "cuda")
+        index_model = IndexModel(spec, load_engines, on_gpu=lambda: config.torch_device().type == "cuda")
         keeps_commits = commits_in_groups(out, table)  # what a Ctrl-C leaves: committed groups, or the output as it was
         try:
             with lock_output(options):  # taken before the model loads: a refused run returns at once
@@ -189,6 +192,18 @@ def index(
 
     _check_paths(report, [source], out)
     _guarded(run, report)
+
+
+def _devices(device: str | None) -> list[str | None]:
+    """index's --device: one device, or a comma list of GPUs that each run a copy of the model."""
+    if device is None or "," not in device:
+        return [device]
+    names = [name.strip() for name in device.split(",")]
+    if not all(name.startswith("cuda") for name in names):
+        raise UserError(f"--device {device}: a list names GPUs only, as cuda:0,cuda:1; give cpu alone")
+    if len({"cuda:0" if name == "cuda" else name for name in names}) < len(names):
+        raise UserError(f"--device {device} names a GPU twice; list each once")
+    return names
 
 
 @app.command()

@@ -90,6 +90,9 @@ class EngineConfig:
                 raise UserError(f"--device {self.device} is not a device embedctl runs on; use cpu, cuda or cuda:N")
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise UserError(f"--device {self.device} asked for a GPU but CUDA is not available here; use --device cpu")
+            if device.type == "cuda" and (device.index or 0) >= (count := torch.cuda.device_count()):
+                names = "cuda:0 only" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+                raise UserError(f"--device {self.device}: this machine's GPUs are {names}; pick one of them")
             return device
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

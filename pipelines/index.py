@@ -19,15 +19,17 @@ each time (BERT-base on the H200 indexed at 83% of its model-only rate on the sa
 killed loses the rows embedded since its last commit, queued ones included. Rows are written in the
 order they came.
 
-The model comes as an IndexModel: its spec (what a vector is) at once, its tokenizer and engine only
+The model comes as an IndexModel: its spec (what a vector is) at once, its tokenizer and engines only
 when the first row needs embedding, so an up-to-date output costs no model load, no GPU start and
-no torch import. It does not guard against a second run on the same output: the caller holds
+no torch import. With several engines (one per GPU) batches go to them in turn, and their results are
+read back in the same order, so rows are still written in the order they came. It does not guard against a second run on the same output: the caller holds
 lock_output(options).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import queue
 import threading
@@ -165,22 +167,24 @@ class _Tokenized:
 
 
 class IndexModel:
-    """What run_index embeds with: the model's spec now, its tokenizer and engine when a row first needs them."""
+    """What run_index embeds with: the model's spec now, its tokenizer and engines when a row first needs them."""
 
-    def __init__(self, spec: ModelSpec, load_engine: Callable[[ModelSpec], Engine], on_gpu: Callable[[], bool]) -> None:
-        """on_gpu: whether load_engine will put the model on a GPU (asked before it loads)."""
+    def __init__(self, spec: ModelSpec, load_engines: Callable[[ModelSpec], list[Engine]],
+                 on_gpu: Callable[[], bool]) -> None:
+        """load_engines: the model on each device it runs on (one engine, or one per GPU); on_gpu: whether
+        they will be on GPUs (asked before they load)."""
         self.spec = spec
-        self._load_engine = load_engine
+        self._load_engines = load_engines
         self._ask_gpu = on_gpu
         self._gpu: bool | None = None
-        self.engine: Engine | None = None
-        self.load_seconds = 0.0  # finding the device and loading the engine
+        self.engines: list[Engine] = []
+        self.load_seconds = 0.0  # finding the devices and loading the engines
 
     @classmethod
-    def loaded(cls, engine: Engine) -> IndexModel:
-        """An engine the caller loaded already (tests and benchmarks reuse one across runs)."""
-        model = cls(engine.spec, lambda spec: engine, lambda: engine.device.type == "cuda")
-        model.engine = engine
+    def loaded(cls, *engines: Engine) -> IndexModel:
+        """Engines the caller loaded already (tests and benchmarks reuse them across runs)."""
+        model = cls(engines[0].spec, lambda spec: list(engines), lambda: engines[0].device.type == "cuda")
+        model.engines = list(engines)
         return model
 
     @cached_property
@@ -197,12 +201,12 @@ class IndexModel:
             self.load_seconds += time.perf_counter() - started
         return self._gpu
 
-    def load(self) -> Engine:
-        if self.engine is None:
+    def load(self) -> list[Engine]:
+        if not self.engines:
             started = time.perf_counter()
-            self.engine = self._load_engine(self.spec)
+            self.engines = self._load_engines(self.spec)
             self.load_seconds += time.perf_counter() - started
-        return self.engine
+        return self.engines
 
 
 def open_corpus(options: IndexOptions) -> CorpusReader:
@@ -236,7 +240,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
     options = replace(options, prompt=resolve_prompt(spec.files, "document", options.prompt, options.prompt_name),
                       prompt_name=None)
     report = IndexReport(output=options.out, model=spec.files.name)
-    loaded_before = model.engine is not None
+    loaded_before = bool(model.engines)
     started = time.perf_counter()
     flow = _Flow()
     store: VectorStore | None = None
@@ -284,10 +288,12 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
         raise
     if progress is not None:
         progress(report.rows_written + report.unchanged + report.skipped, report.tokens, reader.total_rows)
-    report.load_seconds = model.load_seconds if model.engine is not None and not loaded_before else 0.0
+    report.load_seconds = model.load_seconds if model.engines and not loaded_before else 0.0
     report.seconds = time.perf_counter() - started - report.load_seconds
-    if model.engine is not None:
-        report.device, report.graphs = str(model.engine.device), asdict(model.engine.stats)
+    if model.engines:
+        report.device = ",".join(str(engine.device) for engine in model.engines)
+        report.graphs = {name: sum(getattr(engine.stats, name) for engine in model.engines)
+                         for name in asdict(model.engines[0].stats)}
     return report
 
 
@@ -297,20 +303,22 @@ def _writer_depth(commit_rows: int, chunk_rows: int) -> int:
 
 
 def _embed(model: IndexModel, items: Iterator[_Tokenized], flow: _Flow) -> None:
-    """Pack rows first come, first served and send each batch's LazyTensor on to the results thread.
+    """Pack rows first come, first served and send each batch's LazyTensor on to the results thread,
+    the batches going to the engines in turn.
 
-    The engine loads when the first rows to embed arrive, while the tokenizer pool works ahead."""
+    The engines load when the first rows to embed arrive, while the tokenizer pool works ahead."""
     first = next(items, None)
     if first is None:
         return
-    engine = model.load()
-    packer = Packer(engine.max_batch_tokens, engine.config.max_seqs)
+    engines = model.load()
+    turns = itertools.cycle(engines)
+    packer = Packer(engines[0].max_batch_tokens, engines[0].config.max_seqs)
     for item in _chain(first, items):
         for row, ids in enumerate(item.ids):
             if (batch := packer.add(ids, (item, row))) is not None:
-                flow.send((engine.step(batch), batch.tags))
+                flow.send((next(turns).step(batch), batch.tags))
     if (batch := packer.flush()) is not None:
-        flow.send((engine.step(batch), batch.tags))
+        flow.send((next(turns).step(batch), batch.tags))
 
 
 class _ContentKeys:

@@ -7,6 +7,7 @@ Tolerances are bf16/fp16 ones: cosine >= 0.999 against fp32 references.
 from __future__ import annotations
 
 import gc
+import json
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -334,6 +335,27 @@ def test_index_on_gpu_equals_cpu(minilm_dir, tmp_path) -> None:
     assert outputs["cuda"].column("id").to_pylist() == outputs["cpu"].column("id").to_pylist()
     gpu, cpu = (np.stack(outputs[d].column("vector").to_numpy(zero_copy_only=False)) for d in ("cuda", "cpu"))
     assert cosine(gpu, cpu).min() >= 0.999
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: run it on the device's nvidia-h200-x2")
+def test_index_on_two_gpus_equals_one(minilm_dir, tmp_path) -> None:
+    """`--device cuda:0,cuda:1`: batches alternate between the GPUs, rows come out in order, vectors as on one."""
+    from typer.testing import CliRunner
+
+    from embedctl.cli import app
+
+    tables, reports = {}, {}
+    for devices in ("cuda:0", "cuda:0,cuda:1"):
+        out, report = tmp_path / f"{len(devices)}.parquet", tmp_path / f"{len(devices)}.json"
+        result = CliRunner().invoke(app, ["index", "sample_data/corpus", "--out", str(out), "--model", str(minilm_dir),
+                                          "--device", devices, "--max-batch-tokens", "1024", "--report", str(report)])
+        assert result.exit_code == 0, result.output
+        tables[devices], reports[devices] = pq.read_table(out), json.loads(report.read_text())
+    one, two = tables["cuda:0"], tables["cuda:0,cuda:1"]
+    assert reports["cuda:0,cuda:1"]["device"] == "cuda:0,cuda:1" and reports["cuda:0,cuda:1"]["rows_written"] == 300
+    assert two.column("id").to_pylist() == one.column("id").to_pylist()
+    vectors = [np.stack(table.column("vector").to_numpy(zero_copy_only=False)) for table in (one, two)]
+    assert cosine(*vectors).min() >= 0.99999
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])

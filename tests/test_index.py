@@ -102,6 +102,35 @@ def test_vectors_ids_and_kept_columns_match_the_api_in_input_order(
     assert report.truncated == sum(table.column("truncated").to_pylist()) == sum(LONG in r["text"] for r in kept)
 
 
+def test_batches_go_to_the_engines_in_turn_and_rows_keep_their_order(
+        tmp_path: Path, engine: Engine, reference: embedctl.Embedder, corpus: tuple[Path, list[dict]]) -> None:
+    """`--device cuda:0,cuda:1`'s path, on two CPU engines: each gets every other batch, and the rows are
+    written in input order with their own vectors."""
+    source, rows = corpus
+    other = Engine.load(None, EngineConfig(max_batch_tokens=300))
+    steps: dict[str, int] = {"first": 0, "second": 0}
+
+    def counted(name: str, step: Callable) -> Callable:
+        def count_then_step(batch: object) -> object:
+            steps[name] += 1
+            return step(batch)
+        return count_then_step
+
+    engine.step, other.step = counted("first", engine.step), counted("second", other.step)
+    try:
+        report = run_index(IndexModel.loaded(engine, other),
+                           IndexOptions(source=str(source), out=f"{tmp_path}/x.parquet", chunk_rows=7))
+    finally:
+        del engine.step  # the module's engine steps as before for the other tests
+    kept = [row for row in rows if row["text"].strip()]
+    table = read_output(f"{tmp_path}/x.parquet")
+    assert table.column("id").to_pylist() == [row["id"] for row in kept]
+    vectors = np.stack(table.column("vector").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(vectors, reference.embed([row["text"] for row in kept]), atol=1e-5)
+    assert steps["first"] - steps["second"] in (0, 1) and steps["second"] >= 5
+    assert report.device == "cpu,cpu" and report.rows_written == len(kept)
+
+
 class StartedPool(TokenizerPool):
     """A pool that waits for its workers, so that every chunk of a small run goes to them."""
 
@@ -164,7 +193,7 @@ def test_finding_the_device_counts_as_loading_not_embedding(tmp_path: Path, engi
         time.sleep(0.5)
         return False
 
-    model = IndexModel(engine.spec, lambda spec: engine, slow_probe)
+    model = IndexModel(engine.spec, lambda spec: [engine], slow_probe)
     report = run_index(model, IndexOptions(source=str(source / "a.parquet"), out=f"{tmp_path}/x.parquet"))
     assert report.rows_written > 0 and report.load_seconds >= 0.5
 

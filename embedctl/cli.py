@@ -190,7 +190,7 @@ def index(
         if report is not None:
             _write_report(report, result.to_json())
 
-    _check_paths(report, [source], out)
+    _check_paths(report, [source], out if table is None else f"{out.rstrip('/')}/{table}.lance")  # the table's folder
     _guarded(run, report)
 
 
@@ -398,7 +398,7 @@ def _check_paths(report: Path | None, inputs: list[str], out: str | None) -> Non
     """Before anything is read or written, refuse (one error line, no report written) an output that is,
     holds or lies inside an input (for a glob, the folder it searches: a later run's glob may match the
     output), and a --report that is or lies inside any of them."""
-    there = _local(out) if out is not None else None
+    there = _local(out) if out is not None and out.strip("/") else None  # '' and / name no output: refused later
     for source in inputs:
         here = _local(glob_base(source))
         if here is not None and there is not None and (_within(here, there) or _within(there, here)):

@@ -12,12 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.errors import UserError
+from engine.errors import UserError, short_reason
 
 if TYPE_CHECKING:  # reading a model's settings must not import torch; only loading its weights does
     import torch
@@ -137,20 +138,75 @@ def match_state_dict(expected: Mapping[str, torch.Tensor], weights: dict[str, to
     return state
 
 
+def largest_token_id(tokenizer_file: Path) -> int:
+    """The largest id the tokenizer can give, added tokens included."""
+    from tokenizers import Tokenizer
+
+    try:
+        return max(Tokenizer.from_file(str(tokenizer_file)).get_vocab(with_added_tokens=True).values())
+    except Exception as error:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+        raise UserError(f"{tokenizer_file} is not a usable tokenizer.json ({short_reason(error)}); "
+                        "replace it with the model's own tokenizer.json") from None
+
+
+@contextmanager
+def config_errors(files: ModelFiles) -> Iterator[None]:
+    """Turn a config.json that lacks a field the model needs, or holds one of the wrong kind, into one UserError."""
+    where = files.path / "config.json"
+    try:
+        yield
+    except KeyError as error:
+        raise UserError(f"{where} has no {error.args[0]!r}, which this model needs; replace it with the "
+                        "model's own config.json") from None
+    except (TypeError, ValueError) as error:
+        raise UserError(f"{where} holds a value of the wrong kind ({short_reason(error)}); replace it with the "
+                        "model's own config.json") from None
+
+
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint in `path`, by their stored names, on the CPU."""
+    """All tensors of the checkpoint in `path`, by their stored names, on the CPU; UserError for a file
+    that cannot be read as one (truncated by a failed download, or not a checkpoint at all)."""
     import torch
     from safetensors.torch import load_file
 
-    if (path / "model.safetensors").is_file():
-        return load_file(path / "model.safetensors")
-    if (path / "model.safetensors.index.json").is_file():
-        shards = sorted(set(_read_json(path / "model.safetensors.index.json")["weight_map"].values()))
-        weights: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            weights.update(load_file(path / shard))
-        return weights
-    return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    try:
+        if (file := path / "model.safetensors").is_file():
+            return load_file(file)
+        if (file := path / "model.safetensors.index.json").is_file():
+            index = _read_json(file)
+            shards = sorted(set(index["weight_map"].values()))
+            weights: dict[str, torch.Tensor] = {}
+            for shard in shards:
+                file = path / shard
+                weights.update(load_file(file))
+            return weights
+        file = path / "pytorch_model.bin"
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001 - safetensors, pickle and torch each raise their own kinds
+        raise UserError(f"{file} is not a readable checkpoint ({short_reason(error)}); download the model "
+                        "again or replace the file") from None
+
+
+# What decides a model's outputs besides its weights: its architecture, its tokenizer and its
+# sentence-transformers modules (each module folder's config.json too).
+MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "modules.json", "sentence_bert_config.json",
+               "config_sentence_transformers.json")
+
+
+def files_digest(path: Path) -> str:
+    """sha256 over the model's files besides its weights that decide its outputs (MODEL_FILES, then each
+    module's config.json, in modules.json's order), each file's name and bytes; a file it lacks counts
+    as empty. Small files: not cached."""
+    modules = _read_list(path / "modules.json") if (path / "modules.json").is_file() else []
+    folders = [m["path"] for m in modules if isinstance(m.get("path"), str) and m["path"]]
+    names = [*MODEL_FILES, *(f"{folder}/config.json" for folder in folders)]
+    digest = hashlib.sha256()
+    for name in names:
+        file = path / name
+        digest.update(name.encode() + b"\0" + (file.read_bytes() if file.is_file() else b"") + b"\0")
+    return digest.hexdigest()
 
 
 def weights_digest(path: Path, module_dirs: Sequence[Path] = ()) -> str:

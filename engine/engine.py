@@ -23,7 +23,7 @@ import torch
 from engine.attention import (FEW_SEQUENCES, Attention, AttentionLayout, FlashInferAttention, SdpaAttention,
                               TritonAttention, VarlenAttention, choose_backend, few_sequences_backend, triton_available)
 from engine.batch import Packer, PackedBatch
-from engine.checkpoint import load_weights, position_offset, resolve_model
+from engine.checkpoint import config_errors, load_weights, position_offset, resolve_model
 from engine.config import GPU_FP32, EngineConfig
 from engine.errors import UserError
 from engine.fused import Fused
@@ -93,11 +93,13 @@ class Engine:
             raise UserError(GPU_FP32)
         fuse = device.type == "cuda" and config.compile
         network: BertModel | Qwen3Model
-        if spec.family == "bert":
-            network = BertModel(BertConfig.from_hf(spec.files.config, position_offset(spec.files.config)), Fused(fuse))
-        else:
-            qwen3 = Qwen3Config.from_hf(spec.files.config)
-            network = Qwen3Model(qwen3, Qwen3Ops(fuse, qwen3.head_dim))
+        with config_errors(spec.files):
+            if spec.family == "bert":
+                bert = BertConfig.from_hf(spec.files.config, position_offset(spec.files.config))
+                network = BertModel(bert, Fused(fuse))
+            else:
+                qwen3 = Qwen3Config.from_hf(spec.files.config)
+                network = Qwen3Model(qwen3, Qwen3Ops(fuse, qwen3.head_dim))
         network.load_hf_weights(load_weights(spec.files.path))
         network.requires_grad_(False)
         network.to(device=device, dtype=dtype).eval()

@@ -12,12 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from engine.checkpoint import ModelFiles, position_offset, weights_digest
+from engine.checkpoint import (ModelFiles, config_errors, files_digest, largest_token_id, position_offset,
+                               weights_digest)
 from engine.config import EngineConfig
 from engine.errors import UserError
 
 BERT_FAMILY = ("bert", "roberta", "xlm-roberta")
 QWEN3_FAMILY = ("qwen3", "bidirectional_pplx_qwen3")
+# Settings recorded since a later version: a table written before lacks them and is taken as matching on them,
+# and content keys leave them out (with them every stored row's key would change, and every row be re-embedded).
+LATER_SETTINGS = frozenset({"files_sha256"})
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,11 @@ class ModelSpec:
 
         Every check that needs no torch is here, so that a run with nothing to embed refuses a
         bad option as a run with work would (EngineConfig checks the options among themselves)."""
+        with config_errors(files):
+            return cls._of(files, config)
+
+    @classmethod
+    def _of(cls, files: ModelFiles, config: EngineConfig) -> ModelSpec:
         model_type = files.config.get("model_type")
         if model_type in BERT_FAMILY:
             family, labels = "bert", classifier_labels(files.config)
@@ -50,6 +59,11 @@ class ModelSpec:
         else:
             raise UserError(f"model type {model_type!r} is not supported yet; embedctl runs "
                             f"{', '.join(BERT_FAMILY + QWEN3_FAMILY)} models")
+        vocab_size = files.config["vocab_size"]
+        if (largest := largest_token_id(files.tokenizer_file)) >= vocab_size:
+            raise UserError(f"{files.tokenizer_file} gives token ids up to {largest} but config.json's vocab_size is "
+                            f"{vocab_size}: the tokenizer and the weights are not one model's; put the model's own "
+                            "tokenizer.json beside them")
         if config.max_length is not None and config.max_length > max_positions:
             raise UserError(f"--max-length {config.max_length} is past the {max_positions} positions {files.name} "
                             f"was trained for; pick at most {max_positions}")
@@ -87,14 +101,20 @@ class ModelSpec:
     def weights_sha256(self) -> str:
         return weights_digest(self.files.path, [layer.path for layer in self.files.dense])
 
+    @cached_property
+    def files_sha256(self) -> str:
+        return files_digest(self.files.path)
+
     def settings(self) -> dict[str, str]:
         """What decides the outputs: recorded with every output so a mismatch can be caught later."""
         if self.num_labels:
-            return {"model": self.files.name, "weights_sha256": self.weights_sha256, "labels": str(self.num_labels),
-                    "activation": "sigmoid" if self.sigmoid else "identity", "max_length": str(self.max_length)}
+            return {"model": self.files.name, "weights_sha256": self.weights_sha256, "files_sha256": self.files_sha256,
+                    "labels": str(self.num_labels), "activation": "sigmoid" if self.sigmoid else "identity",
+                    "max_length": str(self.max_length)}
         settings = {
             "model": self.files.name,
             "weights_sha256": self.weights_sha256,
+            "files_sha256": self.files_sha256,
             "dim": str(self.dim),
             "pooling": self.pooling,
             "normalize": str(self.normalize).lower(),

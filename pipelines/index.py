@@ -47,6 +47,7 @@ import pyarrow as pa
 
 from engine import ModelSpec, Packer
 from engine.errors import UserError
+from engine.spec import LATER_SETTINGS
 from pipelines.lock import hold_lock
 from pipelines.progress import Progress, plural
 from pipelines.readers import Chunk, CorpusReader
@@ -237,6 +238,9 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
     """
     reader = corpus or open_corpus(options)
     spec = model.spec
+    if spec.num_labels:
+        raise UserError(f"{spec.files.name} is a cross-encoder: it scores query-document pairs and has no vectors "
+                        "to index; index with a bi-encoder, and rerank with this one through `embedctl score --reranker`")
     options = replace(options, prompt=resolve_prompt(spec.files, "document", options.prompt, options.prompt_name),
                       prompt_name=None)
     report = IndexReport(output=options.out, model=spec.files.name)
@@ -326,7 +330,8 @@ class _ContentKeys:
     what else the output stores of it (its kept columns). 32 hex digits of a sha256."""
 
     def __init__(self, settings: dict[str, str]) -> None:
-        identity = {key: value for key, value in settings.items() if key != "model"}  # the weights' hash names it
+        # The model is named by its hashes; LATER_SETTINGS are checked per table, not per row.
+        identity = {key: value for key, value in settings.items() if key != "model" and key not in LATER_SETTINGS}
         self._base = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
 
     def of(self, text: str, kept: dict | None) -> str:
@@ -343,7 +348,7 @@ def _select(chunks: Iterator[Chunk], options: IndexOptions, report: IndexReport,
     and in emptied the existing ids whose text is empty."""
     for chunk in chunks:
         report.rows_read += len(chunk.ids)
-        kept = chunk.kept.to_pylist() if chunk.kept is not None else None
+        kept = _kept_rows(chunk.kept) if chunk.kept is not None else None
         rows, row_keys = [], []
         for row in range(len(chunk.ids)):
             if not _wanted(chunk, row, options, report, source):
@@ -364,6 +369,26 @@ def _select(chunks: Iterator[Chunk], options: IndexOptions, report: IndexReport,
             row_keys.append(key)
         if rows:
             yield _Selection(chunk, rows, row_keys)
+
+
+def _kept_rows(kept: pa.Table) -> list[dict]:
+    """The kept columns row by row, for the content keys: as Python values, or as text a value that has no
+    Python form (a nanosecond timestamp past its microseconds, as pandas writes them). Value by value, so
+    that a row's key does not depend on the other rows of its chunk."""
+    columns = {}
+    for name, column in zip(kept.column_names, kept.columns):
+        try:
+            columns[name] = column.to_pylist()
+        except (pa.ArrowInvalid, ValueError):
+            columns[name] = [_python_or_text(value) for value in column]
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+
+def _python_or_text(value: pa.Scalar) -> object:
+    try:
+        return value.as_py()
+    except (pa.ArrowInvalid, ValueError):
+        return value.cast(pa.string()).as_py()
 
 
 def _tokenize(selections: Iterator[_Selection], model: IndexModel, options: IndexOptions,

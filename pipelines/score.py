@@ -37,6 +37,7 @@ import torch
 from engine import Engine, EngineConfig, LazyTensor, ModelSpec
 from engine.batch import PackedBatch, Packer
 from engine.errors import UserError, short_reason
+from engine.spec import LATER_SETTINGS
 from pipelines.progress import Progress, plural
 from pipelines.qrels import CUTOFF, Metrics, Qrels, evaluate, read_qrels
 from pipelines.readers import Chunk, CorpusReader
@@ -261,7 +262,9 @@ class StoredVectors:
     def check_model(self, engine: Engine) -> None:
         """Refuse to score a table's vectors against queries embedded with other model settings."""
         for key, value in engine.settings().items():
-            if key != "model" and self.settings.get(key) != value:
+            if key == "model" or (key in LATER_SETTINGS and key not in self.settings):
+                continue
+            if self.settings.get(key) != value:
                 raise UserError(f"--index {self.path} was built with {key} {self.settings.get(key)!r} but the query "
                                 f"model has {value!r}; score with the model and settings it was built with (without "
                                 "--dim and --max-length the table's are taken)")

@@ -84,11 +84,15 @@ def default_processes(on_gpu: bool, rows: int | None = None, cores: int = CORES,
     return cores // cores_per_process
 
 
-def check_processes(processes: int | None) -> None:
-    """UserError for a --tokenizer-processes no pool can have; None (the default) is fine."""
+def check_processes(processes: int | None, cores: int = CORES) -> None:
+    """UserError for a --tokenizer-processes no pool can have, or more than there are cores to run them;
+    None (the default) is fine."""
     if processes is not None and processes < 0:
         raise UserError(f"--tokenizer-processes {processes}: give 0 (tokenize without worker processes) "
                         "or a number of worker processes")
+    if processes is not None and processes > cores:
+        raise UserError(f"--tokenizer-processes {processes} is more than the {cores} cores this process may run on; "
+                        f"give at most {cores}")
 
 
 class TokenizerPool:

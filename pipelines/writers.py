@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.errors import UserError, short_reason
+from engine.spec import LATER_SETTINGS
 
 CONTENT_KEY = "content_key"
 # The model's spelling may differ between runs on one output (a hub id or a path to the same files);
@@ -150,11 +151,17 @@ def check_output(out: str, table: str | None = None) -> None:
 
 
 def _locate(out: str) -> tuple[fsspec.AbstractFileSystem, str, bool]:
+    if not out.strip("/"):
+        raise UserError(f"--out {out!r} names no output of its own; give vectors.lance, out.parquet or a folder/ "
+                        "for the parts")
     try:
         fs, path = fsspec.core.url_to_fs(out)
         is_dir = out.endswith("/") or fs.isdir(path)
     except (ValueError, ImportError, OSError) as e:
         raise UserError(f"cannot open {out} ({short_reason(e)}); give a local path or an fsspec URL") from None
+    if out.endswith("/") and fs.isfile(path.rstrip("/")):
+        raise UserError(f"--out {out} names a folder for Parquet parts, but {out.rstrip('/')} is a file; "
+                        "pick another --out")
     if not is_dir and not out.endswith(".parquet"):
         raise UserError(
             f"cannot tell what kind of output {out} is; name it *.lance for a LanceDB table, *.parquet for one "
@@ -250,17 +257,22 @@ class _LanceStore:
         import lancedb  # here, not at the top: Parquet output works where lancedb is not installed
 
         self._shown, self._name, self._schema = shown, name, schema
+        if (column := _map_column(schema)) is not None:
+            raise UserError(f"--keep column '{column}' holds a map, which a LanceDB table cannot update in place; "
+                            "drop it from --keep, or write Parquet (--out x.parquet)")
         try:
             self._db = lancedb.connect(db_uri)
-        except ValueError as e:
-            raise UserError(f"cannot open LanceDB database {db_uri} ({short_reason(e)}); check the path or URI") from None
+        except (ValueError, RuntimeError, OSError) as e:  # lance raises RuntimeError for a store it cannot reach
+            raise UserError(f"cannot open LanceDB database {db_uri} ({_lance_reason(e)}); check the path or URI, and "
+                            "the credentials and network for a remote one") from None
         self._table = self._open(name)
         self._target = name
         if self._table is not None:
             _refuse_foreign(shown, self._table.schema)
         self.replaced: set[str] = set()
-        if self._table is not None and rebuild:
-            self.replaced = set(self._table.to_lance().to_table(columns=["id"]).column("id").to_pylist())
+        if rebuild:  # staged even with no table yet, so that a killed first build resumes from its stage
+            if self._table is not None:
+                self.replaced = set(self._table.to_lance().to_table(columns=["id"]).column("id").to_pylist())
             self._target = f".{name}{_REBUILD}"
             self._table = self._open(self._target)
             if self._table is not None and _incompatibility(self._table.schema, schema) is not None:
@@ -327,15 +339,13 @@ class _ParquetDirStore:
         self._shown, self._fs, self._root, self._schema = shown, fs, path, schema
         self._path = path
         with _io_errors(shown):
-            # A rebuild may replace a part no one can read (a killed run's, most likely); not someone else's data.
             old_parts = self._parts(path)
-            schemas = [_readable_schema(fs, part, shown, rebuild) for part in old_parts]
+            schemas = [_read_schema(fs, part, shown) for part in old_parts]
             for old in schemas:
                 _refuse_foreign(shown, old)
             self.replaced: set[str] = set()
-            if schemas and rebuild:
-                self.replaced = {row_id for part, old in zip(old_parts, schemas) if old is not None
-                                 for row_id in _readable_ids(fs, part)}
+            if rebuild:  # staged even with no old parts, so that a killed first build resumes from its stage
+                self.replaced = {row_id for part in old_parts for row_id in _ids(fs, part)}
                 self._path = posixpath.join(path, _REBUILD)
                 if any(_incompatibility(_read_schema(fs, p, shown), schema) for p in self._parts(self._path)):
                     fs.rm(self._path, recursive=True)  # a rebuild for other settings, left by a killed run
@@ -417,13 +427,12 @@ class _ParquetFileStore:
         self.existing: dict[str, str] = {}
         with _io_errors(shown):
             exists = fs.exists(path)
-            old_schema = _readable_schema(fs, path, shown, rebuild) if exists else None
-            _refuse_foreign(shown, old_schema)
+            old_schema = _read_schema(fs, path, shown) if exists else None
+            if old_schema is not None:
+                _refuse_foreign(shown, old_schema)
             self._old = exists and not rebuild
             self._replacing = exists and rebuild
-            self.replaced: set[str] = set()
-            if self._replacing and old_schema is not None:
-                self.replaced = set(_readable_ids(fs, path))
+            self.replaced: set[str] = set(_ids(fs, path)) if self._replacing else set()
             self._stored: tuple[list[str], list[str]] = ([], [])  # id and content_key of the old rows, in order
             if self._old:
                 _check_compatible(shown, old_schema, schema)
@@ -546,11 +555,16 @@ def _incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
         return f"it has no {CONTENT_KEY} column (it was not made by this version of embedctl)"
     old_meta, new_meta = _embedctl_metadata(old), _embedctl_metadata(new)
     for key in sorted(old_meta.keys() | new_meta.keys()):
+        if key not in old_meta and key.removeprefix("embedctl.") in LATER_SETTINGS:
+            continue
         if old_meta.get(key) != new_meta.get(key):
             if key == "embedctl.weights_sha256":  # name the models: two hashes alone tell a user nothing
                 models = [(schema.metadata or {}).get(b"embedctl.model", b"?").decode() for schema in (old, new)]
                 return (f"it was embedded with the model {models[0]} (weights sha256 {old_meta.get(key, '?')[:12]}...) "
                         f"and this run's is {models[1]} (weights sha256 {new_meta.get(key, '?')[:12]}...)")
+            if key == "embedctl.files_sha256":
+                return (f"its model's config, tokenizer or module files differ from this run's (sha256 "
+                        f"{old_meta[key][:12]}... against {new_meta.get(key, '?')[:12]}...), though its weights are the same")
             name = key.removeprefix("embedctl.")
             return f"it was embedded with {name} {old_meta.get(key)!r} and this run's {name} is {new_meta.get(key)!r}"
     if not old.remove_metadata().equals(new.remove_metadata()):
@@ -558,30 +572,23 @@ def _incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
     return None
 
 
-def _readable_ids(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
-    """The ids of a Parquet file a rebuild replaces; none when they cannot be read (a killed run's file,
-    which the rebuild replaces all the same, as _readable_schema lets it)."""
-    try:
-        return pq.read_table(path, columns=["id"], filesystem=fs).column("id").to_pylist()
-    except (pa.ArrowInvalid, OSError):
-        return []
+def _map_column(schema: pa.Schema) -> str | None:
+    """The first column holding a map at any depth: Lance's merge_insert refuses to update such a table."""
+    def holds_map(kind: pa.DataType) -> bool:
+        return pa.types.is_map(kind) or any(holds_map(kind.field(i).type) for i in range(kind.num_fields))
+
+    return next((field.name for field in schema if holds_map(field.type)), None)
 
 
-def _readable_schema(fs: fsspec.AbstractFileSystem, path: str, shown: str, rebuild: bool) -> pa.Schema | None:
-    """The file's schema; None for a file that cannot be read when rebuilding (it is replaced, as the
-    error for it without --rebuild advises)."""
-    try:
-        return _read_schema(fs, path, shown)
-    except UserError:
-        if rebuild:
-            return None
-        raise
+def _ids(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+    """The ids of a Parquet file of the table, which a rebuild replaces."""
+    return pq.read_table(path, columns=["id"], filesystem=fs).column("id").to_pylist()
 
 
-def _refuse_foreign(shown: str, old: pa.Schema | None) -> None:
+def _refuse_foreign(shown: str, old: pa.Schema) -> None:
     """UserError for an existing output that embedctl did not write: neither an update nor --rebuild
-    may overwrite or delete data of someone else's. None: a file no one can read."""
-    if old is not None and not _embedctl_metadata(old):
+    may overwrite or delete data of someone else's."""
+    if not _embedctl_metadata(old):
         raise UserError(f"{shown} holds data that embedctl did not write (no embedctl settings in its schema); "
                         "embedctl will not change or replace it: pick another --out")
 
@@ -613,9 +620,11 @@ def _read_schema(fs: fsspec.AbstractFileSystem, path: str, shown: str) -> pa.Sch
     try:
         return pq.read_schema(path, filesystem=fs)
     except (pa.ArrowException, OSError) as e:
+        # embedctl writes a file whole under another name and renames it: one it cannot read is not its own.
         raise UserError(
-            f"cannot update {shown}: {posixpath.basename(path)} is not a readable Parquet file ({short_reason(e)}); "
-            "repair or remove it, or pass --rebuild"
+            f"cannot update {shown}: {posixpath.basename(path)} is not a readable Parquet file ({short_reason(e)}), "
+            "so not one embedctl wrote, and it will not replace it, --rebuild or not; repair or remove it, or pick "
+            "another --out"
         ) from None
 
 

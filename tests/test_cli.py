@@ -33,7 +33,7 @@ from typer.main import get_command
 
 import embedctl
 from embedctl.cli import app
-from engine.checkpoint import resolve_model
+from engine.checkpoint import MODEL_FILES, resolve_model
 from tests.files import ENV, assert_one_error_line, good_rows, read_only, run_cli, snapshot, write_jsonl
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "corpus"
@@ -271,13 +271,30 @@ def _output_under_a_file(tmp: Path) -> tuple[list, list[str]]:
     return ["docs.jsonl", "--out", "plain/x.lance"], ["cannot write beside plain/x.lance", "pick another output"]
 
 
+def _folder_output_that_is_a_file(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    (tmp / "parts").write_text("a file where the folder would be")
+    return ["docs.jsonl", "--out", "parts/"], ["--out parts/ names a folder for Parquet parts, but parts is a file"]
+
+
+def _empty_output(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--out", ""], ["--out '' names no output of its own"]
+
+
+def _root_output(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--out", "/"], ["--out '/' names no output of its own"]
+
+
 def _lance_output_that_is_a_file(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
     (tmp / "x.lance").write_text("a file where the table would be")
     return ["docs.jsonl", "--out", "x.lance"], ["cannot open x.lance as a LanceDB table", "pick another --out"]
 
 
-REFUSED = [_unknown_kind_in_new_folders, _lance_output_that_is_a_file, _rebuild_onto_its_source, _output_inside_its_source, _report_onto_the_output, _table_with_parquet,
+REFUSED = [_unknown_kind_in_new_folders, _lance_output_that_is_a_file, _folder_output_that_is_a_file, _empty_output,
+           _root_output, _rebuild_onto_its_source, _output_inside_its_source, _report_onto_the_output, _table_with_parquet,
            _unknown_device, _output_under_a_file, _output_its_glob_would_match, _no_rows_per_commit]
 
 
@@ -292,6 +309,16 @@ def test_overlapping_paths_and_impossible_options_are_one_line_and_change_nothin
         assert_one_error_line(result, *phrases)
         assert snapshot(tmp) == before
         assert not (tmp / "typo").exists()  # no folder made for an output that was refused
+
+
+def test_a_database_around_the_source_takes_a_table_beside_it_but_not_inside_it(tmp_path: Path) -> None:
+    """--out DB --table NAME writes DB/NAME.lance: only that folder must stay out of the source."""
+    write_jsonl(tmp_path / "data" / "corpus" / "a.jsonl", good_rows("a"))
+    beside, inside = run_side_by_side([(["data/corpus", "--out", "data", "--table", "vectors", "-q"], tmp_path),
+                                       (["data", "--out", "data", "--table", "vectors", "-q"], tmp_path)])
+    assert beside.returncode == 0, beside.stderr
+    assert lancedb.connect(tmp_path / "data").open_table("vectors").count_rows() == len(good_rows("a"))
+    assert_one_error_line(inside, "--out data/vectors.lance and the input data overlap")
 
 
 def test_a_table_name_lancedb_refuses_is_one_line_before_any_work(tmp_path: Path) -> None:
@@ -474,9 +501,15 @@ def test_token_counts_and_truncation(indexed: tuple[Path, str], expected: pa.Tab
 def test_metadata_records_the_model(indexed: tuple[Path, str]) -> None:
     work, out = indexed
     metadata = {k.decode(): v.decode() for k, v in read_output(work, out).schema.metadata.items()}
-    weights = hashlib.sha256((resolve_model(None).path / "model.safetensors").read_bytes()).hexdigest()
-    assert metadata == {"embedctl.model": "sentence-transformers/all-MiniLM-L6-v2",
-                        "embedctl.weights_sha256": weights, "embedctl.dim": "384", "embedctl.pooling": "mean",
+    path = resolve_model(None).path
+    weights = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    files = hashlib.sha256()  # each file's name and bytes: the model's own, then its modules' configs
+    modules = [f"{m['path']}/config.json" for m in json.loads((path / "modules.json").read_text()) if m["path"]]
+    for name in [*MODEL_FILES, *modules]:
+        files.update(name.encode() + b"\0" + ((path / name).read_bytes() if (path / name).is_file() else b"") + b"\0")
+    assert modules == ["1_Pooling/config.json", "2_Normalize/config.json"]  # the second is absent: empty
+    assert metadata == {"embedctl.model": "sentence-transformers/all-MiniLM-L6-v2", "embedctl.weights_sha256": weights,
+                        "embedctl.files_sha256": files.hexdigest(), "embedctl.dim": "384", "embedctl.pooling": "mean",
                         "embedctl.normalize": "true", "embedctl.max_length": str(MAX_LENGTH), "embedctl.prompt": ""}
 
 

@@ -404,6 +404,32 @@ def test_sentence_transformers_files_it_cannot_follow_are_refused_in_one_line(ra
         Engine.load(str(random_bert), EngineConfig(device="cpu"))
 
 
+def _config_without(d, key: str) -> None:
+    config = json.loads((d / "config.json").read_text())
+    del config[key]
+    (d / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:3000]),
+     "model.safetensors is not a readable checkpoint \\(Error while deserializing header"),
+    (lambda d: ((d / "model.safetensors").unlink(), (d / "pytorch_model.bin").write_bytes(b"not a pickle")),
+     "pytorch_model.bin is not a readable checkpoint"),
+    (lambda d: ((d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors"),
+                (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+                    "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))),
+     "model-00002-of-00002.safetensors is not a readable checkpoint"),
+    (lambda d: _config_without(d, "hidden_size"), "config.json has no 'hidden_size', which this model needs"),
+    (lambda d: _edit_json(d / "config.json", num_hidden_layers="two"), "config.json holds a value of the wrong kind"),
+    (lambda d: _edit_json(d / "config.json", vocab_size=1000),
+     "tokenizer.json gives token ids up to 30521 but config.json's vocab_size is 1000"),
+])
+def test_model_files_that_do_not_hold_together_are_one_line_not_a_traceback(random_bert, edit, message: str) -> None:
+    edit(random_bert)
+    with pytest.raises(UserError, match=message):
+        Engine.load(str(random_bert), EngineConfig(device="cpu"))
+
+
 def test_a_prompt_its_mean_pooling_leaves_out_is_refused_rather_than_pooled(random_bert) -> None:
     from pipelines.tokenize import resolve_prompt
 

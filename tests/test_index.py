@@ -9,6 +9,8 @@ are in test_incremental.py.
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from pipelines.progress import plural
 from pipelines.tokenize import TextTokenizer
 from pipelines.tokenize_pool import TokenizerPool
 from tests.files import child_processes, snapshot, write_jsonl
+from tests.models import save_random_model
 
 LONG = "A sentence that repeats until the text is longer than the model allows. " * 40
 OUTPUTS = ["x.lance", "x.parquet", "dir/"]
@@ -448,6 +451,64 @@ def test_a_kept_column_the_source_declares_not_null_is_written(tmp_path: Path, e
     assert index(engine, tmp_path / "nn.parquet", f"{tmp_path}/{out}", keep=("title",)).added == 1
     assert read_output(f"{tmp_path}/{out}").select(["id", "title"]).to_pylist() == [{"id": "a", "title": "A title"}]
     assert index(engine, tmp_path / "nn.parquet", f"{tmp_path}/{out}", keep=("title",)).unchanged == 1
+
+
+@pytest.mark.parametrize("out", OUTPUTS)
+def test_a_kept_nanosecond_timestamp_is_written_as_it_is_and_a_rerun_changes_nothing(tmp_path: Path, engine: Engine,
+                                                                                       out: str) -> None:
+    """pandas writes timestamps in nanoseconds, which Python's datetime cannot hold past the microsecond."""
+    stamps = pa.array([1_700_000_000_123_456_789, 1_700_000_000_000_000_000, None], pa.timestamp("ns"))
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "text": ["One.", "Two.", "Three."], "at": stamps}),
+                   tmp_path / "ts.parquet")
+    assert index(engine, tmp_path / "ts.parquet", f"{tmp_path}/{out}", keep=("at",)).added == 3
+    assert read_output(f"{tmp_path}/{out}").column("at").cast(pa.int64()).to_pylist() == stamps.cast(pa.int64()).to_pylist()
+    assert index(engine, tmp_path / "ts.parquet", f"{tmp_path}/{out}", keep=("at",)).unchanged == 3
+
+
+@pytest.mark.parametrize("out", OUTPUTS)
+def test_the_same_weights_with_another_config_or_tokenizer_are_refused(tmp_path: Path, out: str) -> None:
+    """Vectors depend on config.json (the activation) and tokenizer.json as much as on the weights."""
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "One text."}, {"id": "b", "text": "Two."}])
+    model = save_random_model(tmp_path / "model", pooling="mean")
+    assert run_index(IndexModel.loaded(Engine.load(str(model))), IndexOptions(str(source), f"{tmp_path}/{out}")).added == 2
+    for changed in ("config.json", "tokenizer.json"):
+        other = tmp_path / f"other-{changed}"
+        shutil.copytree(model, other)
+        edited = json.loads((other / changed).read_text())
+        if changed == "config.json":
+            edited["hidden_act"] = "relu"
+        else:
+            edited["normalizer"] = None  # cased now: another text, other ids
+        (other / changed).write_text(json.dumps(edited))
+        with pytest.raises(UserError, match="model's config, tokenizer or module files differ from this run's"):
+            run_index(IndexModel.loaded(Engine.load(str(other))), IndexOptions(str(source), f"{tmp_path}/{out}"))
+
+
+def test_a_table_written_before_the_files_were_recorded_updates_without_re_embedding(tmp_path: Path,
+                                                                                     engine: Engine) -> None:
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "One text."}, {"id": "b", "text": "Two."}])
+    assert index(engine, source, f"{tmp_path}/x.parquet").added == 2
+    table = pq.read_table(tmp_path / "x.parquet")
+    older = {k: v for k, v in table.schema.metadata.items() if k != b"embedctl.files_sha256"}
+    pq.write_table(table.replace_schema_metadata(older), tmp_path / "x.parquet")
+    assert index(engine, source, f"{tmp_path}/x.parquet").unchanged == 2
+
+
+def test_a_cross_encoder_is_refused_having_no_vectors_to_index(tmp_path: Path) -> None:
+    reranker = save_random_model(tmp_path / "reranker", "BertForSequenceClassification", num_labels=1)
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "One text."}])
+    with pytest.raises(UserError, match="is a cross-encoder: it scores query-document pairs and has no vectors"):
+        run_index(IndexModel.loaded(Engine.load(str(reranker))), IndexOptions(str(source), f"{tmp_path}/x.parquet"))
+    assert not (tmp_path / "x.parquet").exists()
+
+
+def test_a_kept_map_column_is_refused_for_lancedb_which_could_not_update_it(tmp_path: Path, engine: Engine) -> None:
+    tags = pa.array([[("lang", "en")], [("lang", "de")]], pa.map_(pa.string(), pa.string()))
+    pq.write_table(pa.table({"id": ["a", "b"], "text": ["One.", "Two."], "tags": tags}), tmp_path / "m.parquet")
+    with pytest.raises(UserError, match="--keep column 'tags' holds a map, which a LanceDB table cannot update"):
+        index(engine, tmp_path / "m.parquet", f"{tmp_path}/x.lance", keep=("tags",))
+    assert not (tmp_path / "x.lance").exists()
+    assert index(engine, tmp_path / "m.parquet", f"{tmp_path}/x.parquet", keep=("tags",)).added == 2
 
 
 @pytest.mark.parametrize("out", OUTPUTS)

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -741,6 +741,16 @@ def test_serve_listens_on_an_ipv6_address(minilm_dir: Path, tmp_path: Path) -> N
         process.wait(60)
 
 
+def failing_on(fails: Callable[[PackedBatch], bool], step: Callable[[PackedBatch], LazyTensor] | None = None
+               ) -> Callable[[PackedBatch], LazyTensor]:
+    """An engine step that raises as an out-of-range id in an embedding lookup does, for the batches `fails` picks."""
+    def checked(batch: PackedBatch) -> LazyTensor:
+        if fails(batch):
+            raise IndexError("index 29145 is out of bounds for dimension 0 with size 5000")
+        return step(batch)
+    return checked
+
+
 def serve_cli(model: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "embedctl.cli", "serve", "--device", "cpu", "--model", str(model), *args],
                           env=ENV, capture_output=True, text=True, timeout=120)
@@ -787,11 +797,10 @@ def test_health_and_ping_before_the_warm_up_are_503_unhealthy_with_retry_after(r
     assert [head.status_code for head in heads] == [503, 503]
 
 
-def test_health_and_ping_after_a_failed_warm_up_are_503_unhealthy_with_the_reason(tmp_path: Path) -> None:
-    """A model with a 1,000-row embedding table fails on any text of words, as the warm-up's: ids of
-    words start past 1,000 in its tokenizer's vocabulary."""
-    path = save_random_model(tmp_path / "tiny-vocabulary", pooling="mean", vocab_size=1000)
-    engine = Engine.load(str(path), EngineConfig(device="cpu", normalize=False))
+def test_health_and_ping_after_a_failed_warm_up_are_503_unhealthy_with_the_reason(random_bert: Path) -> None:
+    """An engine whose every step fails, as a device that fell over would."""
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    engine.step = failing_on(lambda batch: True)
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
     with serving(create_app(engine, tokenizer, api_key=KEY)) as url:
         replies = [httpx.get(url + path) for path in ("/health", "/ping")]
@@ -957,12 +966,11 @@ def test_the_server_puts_the_prompts_it_is_given_or_none(random_bert: Path) -> N
                                                                            abs=1e-5)
 
 
-def test_an_engine_failure_is_tei_backend_error_and_openai_server_error(tmp_path: Path) -> None:
-    """A model whose embedding table (5,000 rows) is smaller than its tokenizer's vocabulary: "zebra"
-    is id 29145, which fails the engine's step. TEI answers that 424 "Backend", OpenAI 500; the
+def test_an_engine_failure_is_tei_backend_error_and_openai_server_error(random_bert: Path) -> None:
+    """An engine whose step fails on "zebra" (id 29145). TEI answers that 424 "Backend", OpenAI 500; the
     request's failure is its own, and the server goes on serving ("warm up" is ids 4010 and 2039)."""
-    path = save_random_model(tmp_path / "small-vocabulary", pooling="mean", vocab_size=5000)
-    engine = Engine.load(str(path), EngineConfig(device="cpu", normalize=False))
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    engine.step = failing_on(lambda batch: 29145 in batch.input_ids, engine.step)
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
     with serving(create_app(engine, tokenizer)) as url:
         tei = httpx.post(url + "/embed", json={"inputs": "zebra"})

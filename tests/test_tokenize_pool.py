@@ -175,11 +175,14 @@ def test_close_stops_workers_still_starting_and_cancels_what_they_hold(tokenizer
     assert any(future.cancelled() for future in held)
 
 
-def test_a_negative_count_is_refused_with_the_flag_named() -> None:
+def test_a_negative_count_or_more_than_the_cores_is_refused_with_the_flag_named() -> None:
     with pytest.raises(UserError, match=r"--tokenizer-processes -1: give 0"):
         check_processes(-1)
+    with pytest.raises(UserError, match=r"--tokenizer-processes 100000 is more than the 16 cores .* give at most 16"):
+        check_processes(100_000, cores=16)  # each would be a process: a typo must not fork until memory runs out
     check_processes(None)
     check_processes(0)
+    check_processes(16, cores=16)
 
 
 def test_processes_only_beside_a_gpu_on_enough_cores_for_enough_rows() -> None:

@@ -75,6 +75,9 @@ class ModelFiles:
 
 def resolve_model(name: str | None) -> ModelFiles:
     """Find the model directory for `name` and read its settings; UserError when it cannot be used."""
+    if name is not None and not name.strip():
+        raise UserError(f"--model {name!r} names no model; leave --model out for the default {DEFAULT_MODEL}, or "
+                        "give a model directory or hub id")
     name = name or DEFAULT_MODEL
     path = _locate(name)
     missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
@@ -138,12 +141,14 @@ def match_state_dict(expected: Mapping[str, torch.Tensor], weights: dict[str, to
     return state
 
 
-def largest_token_id(tokenizer_file: Path) -> int:
-    """The largest id the tokenizer can give, added tokens included."""
+def base_vocab_size(tokenizer_file: Path) -> int:
+    """How many ids the tokenizer's model gives words, its added tokens left out: Qwen3-Embedding-4B's
+    tokenizer adds <think> and others past the 151,665 rows of its embedding table, which no text
+    without them reaches (Engine.step refuses a batch that holds one)."""
     from tokenizers import Tokenizer
 
     try:
-        return max(Tokenizer.from_file(str(tokenizer_file)).get_vocab(with_added_tokens=True).values())
+        return Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=False)
     except Exception as error:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
         raise UserError(f"{tokenizer_file} is not a usable tokenizer.json ({short_reason(error)}); "
                         "replace it with the model's own tokenizer.json") from None
@@ -182,7 +187,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
             return weights
         file = path / "pytorch_model.bin"
         return torch.load(file, map_location="cpu", weights_only=True)
-    except UserError:
+    except (UserError, MemoryError):
         raise
     except Exception as error:  # noqa: BLE001 - safetensors, pickle and torch each raise their own kinds
         raise UserError(f"{file} is not a readable checkpoint ({short_reason(error)}); download the model "
@@ -190,23 +195,43 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 # What decides a model's outputs besides its weights: its architecture, its tokenizer and its
-# sentence-transformers modules (each module folder's config.json too).
-MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "modules.json", "sentence_bert_config.json",
+# sentence-transformers modules (each module folder's config.json too). tokenizer_config.json is not
+# among them: embedctl tokenizes with tokenizer.json alone, and the max length it may give is recorded
+# as a setting of its own.
+MODEL_FILES = ("config.json", "tokenizer.json", "modules.json", "sentence_bert_config.json",
                "config_sentence_transformers.json")
+# Keys that record who saved a file, not what the model computes: a model re-saved by a newer
+# transformers or sentence-transformers must not make its vectors look like another model's.
+SAVER_KEYS = frozenset({"transformers_version", "_name_or_path", "torch_dtype", "dtype", "__version__"})
 
 
 def files_digest(path: Path) -> str:
     """sha256 over the model's files besides its weights that decide its outputs (MODEL_FILES, then each
-    module's config.json, in modules.json's order), each file's name and bytes; a file it lacks counts
-    as empty. Small files: not cached."""
+    module's config.json, in modules.json's order), each file's name and content; a file it lacks counts
+    as empty. A JSON settings file counts by its settings, sorted and without SAVER_KEYS, so that
+    re-saving it changes nothing; tokenizer.json by its bytes. Small files: not cached."""
     modules = _read_list(path / "modules.json") if (path / "modules.json").is_file() else []
     folders = [m["path"] for m in modules if isinstance(m.get("path"), str) and m["path"]]
     names = [*MODEL_FILES, *(f"{folder}/config.json" for folder in folders)]
     digest = hashlib.sha256()
     for name in names:
         file = path / name
-        digest.update(name.encode() + b"\0" + (file.read_bytes() if file.is_file() else b"") + b"\0")
+        content = file.read_bytes() if file.is_file() else b""
+        if content and name != "tokenizer.json":
+            content = _settings_bytes(content)
+        digest.update(name.encode() + b"\0" + content + b"\0")
     return digest.hexdigest()
+
+
+def _settings_bytes(content: bytes) -> bytes:
+    """A JSON file's settings in one canonical form: keys sorted, SAVER_KEYS left out at the top level."""
+    try:
+        settings = json.loads(content)
+    except ValueError:  # resolve_model read the files it needs; one it does not read counts by its bytes
+        return content
+    if isinstance(settings, dict):
+        settings = {key: value for key, value in settings.items() if key not in SAVER_KEYS}
+    return json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()
 
 
 def weights_digest(path: Path, module_dirs: Sequence[Path] = ()) -> str:

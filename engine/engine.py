@@ -57,6 +57,7 @@ class Engine:
         # step() gives float32 always (an int8 model's values are whole numbers, exact in float32);
         # embed() and the writers give vector_dtype.
         self.vector_dtype = spec.vector_dtype
+        self.vocab_size = int(spec.files.config["vocab_size"])
         self.max_batch_tokens = config.batch_tokens(device, self.max_length)  # spec checked a user's budget
         self.attention = choose_backend(config.attention, device, model.head_dim)
         self.few_sequences_attention = few_sequences_backend(config.attention, self.attention, model.head_dim,
@@ -144,6 +145,11 @@ class Engine:
         if batch.max_seqlen > self.max_length:
             raise UserError(f"a sequence of {batch.max_seqlen} tokens is longer than the model's max length "
                             f"{self.max_length}; truncate it first")
+        # On a GPU an id past the embedding table is a device-side assert, which ends the process's CUDA context.
+        if batch.num_tokens and (largest := int(batch.input_ids.max())) >= self.vocab_size:
+            raise UserError(f"a sequence holds token id {largest}, past the {self.vocab_size} rows of the model's "
+                            "embedding table (a token its tokenizer adds that the weights never learnt); take that "
+                            "token out of the text")
         if self.runner is not None:
             return self.runner.run(batch, self.ring.readback)
         tokens, seqs = batch.num_tokens, batch.num_seqs

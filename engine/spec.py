@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from engine.checkpoint import (ModelFiles, config_errors, files_digest, largest_token_id, position_offset,
+from engine.checkpoint import (ModelFiles, base_vocab_size, config_errors, files_digest, position_offset,
                                weights_digest)
 from engine.config import EngineConfig
 from engine.errors import UserError
@@ -60,8 +60,8 @@ class ModelSpec:
             raise UserError(f"model type {model_type!r} is not supported yet; embedctl runs "
                             f"{', '.join(BERT_FAMILY + QWEN3_FAMILY)} models")
         vocab_size = files.config["vocab_size"]
-        if (largest := largest_token_id(files.tokenizer_file)) >= vocab_size:
-            raise UserError(f"{files.tokenizer_file} gives token ids up to {largest} but config.json's vocab_size is "
+        if (words := base_vocab_size(files.tokenizer_file)) > vocab_size:
+            raise UserError(f"{files.tokenizer_file} gives words {words} ids but config.json's vocab_size is "
                             f"{vocab_size}: the tokenizer and the weights are not one model's; put the model's own "
                             "tokenizer.json beside them")
         if config.max_length is not None and config.max_length > max_positions:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import embedctl
 from engine import Engine, EngineConfig, PackedBatch, Packer, UserError
-from engine.checkpoint import weights_digest
+from engine.checkpoint import files_digest, weights_digest
 from engine.graphs import all_buckets, all_shapes, bucket_for, slots_for
 from engine.pooling import pool
 from tests.models import save_dense_model, save_random_model
@@ -147,6 +147,23 @@ def test_unknown_weight_is_an_error(random_bert) -> None:
     save_file(weights, random_bert / "model.safetensors")
     with pytest.raises(UserError, match="unexpected"):
         Engine.load(str(random_bert))
+
+
+def test_an_added_token_past_the_embedding_table_loads_but_a_batch_holding_it_is_refused(random_bert) -> None:
+    """As Qwen3-Embedding-4B's tokenizer adds <think> past its 151,665 embeddings: texts without it embed."""
+    tokenizer = json.loads((random_bert / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({"id": 30522, "content": "<think>", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": False})
+    (random_bert / "tokenizer.json").write_text(json.dumps(tokenizer))
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu"))
+    assert engine.embed([[101, 7592, 102]]).shape == (1, engine.dim)
+    with pytest.raises(UserError, match="a sequence holds token id 30522, past the 30522 rows of the model's embedding"):
+        engine.embed([[101, 30522, 102]])
+
+
+def test_an_empty_model_name_is_refused_rather_than_taken_for_the_default() -> None:
+    with pytest.raises(UserError, match="--model '' names no model; leave --model out for the default"):
+        Engine.load("", EngineConfig(device="cpu"))
 
 
 def test_model_directory_missing_files(random_bert) -> None:
@@ -308,6 +325,24 @@ def test_weights_digest_is_remembered_by_path_size_and_mtime(random_bert, tmp_pa
     assert weights_digest(random_bert) == hashlib.sha256(changed).hexdigest()  # a broken cache is rebuilt
 
 
+def test_files_digest_follows_what_the_model_computes_not_who_saved_it(random_bert) -> None:
+    """An index table records it; a model re-saved by a newer transformers must still match its table."""
+    before = files_digest(random_bert)
+    config = json.loads((random_bert / "config.json").read_text())
+    config |= {"transformers_version": "9.9.9", "torch_dtype": "bfloat16", "_name_or_path": "/elsewhere"}
+    (random_bert / "config.json").write_text(json.dumps(dict(reversed(config.items())), indent=4))
+    (random_bert / "tokenizer_config.json").write_text('{"model_max_length": 512, "clean_up_tokenization_spaces": true}')
+    assert files_digest(random_bert) == before
+    _edit_json(random_bert / "config.json", hidden_act="relu")
+    assert files_digest(random_bert) != before
+    _edit_json(random_bert / "config.json", hidden_act=config["hidden_act"])
+    assert files_digest(random_bert) == before
+    tokenizer = json.loads((random_bert / "tokenizer.json").read_text())
+    tokenizer["normalizer"]["lowercase"] = not tokenizer["normalizer"]["lowercase"]
+    (random_bert / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert files_digest(random_bert) != before
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"device": "cpu", "attention": "flashinfer"}, "needs a CUDA GPU; use --attention sdpa on the CPU"),
     ({"device": "cpu", "attention": "triton"}, "needs a CUDA GPU; use --attention sdpa on the CPU"),
@@ -422,7 +457,7 @@ def _config_without(d, key: str) -> None:
     (lambda d: _config_without(d, "hidden_size"), "config.json has no 'hidden_size', which this model needs"),
     (lambda d: _edit_json(d / "config.json", num_hidden_layers="two"), "config.json holds a value of the wrong kind"),
     (lambda d: _edit_json(d / "config.json", vocab_size=1000),
-     "tokenizer.json gives token ids up to 30521 but config.json's vocab_size is 1000"),
+     "tokenizer.json gives words 30522 ids but config.json's vocab_size is 1000"),
 ])
 def test_model_files_that_do_not_hold_together_are_one_line_not_a_traceback(random_bert, edit, message: str) -> None:
     edit(random_bert)

@@ -441,8 +441,12 @@ class _ParquetFileStore:
                 self.existing = dict(zip(*self._stored))
             if parent:
                 fs.makedirs(parent, exist_ok=True)
-            for leftover in fs.glob(posixpath.join(parent, f".{base}.*.tmp")):  # from a killed run
-                fs.rm(leftover)
+            # From a killed run on this output: exactly .BASE.<12 hex digits>.tmp, not the temporary file of
+            # another output whose name starts with BASE. (x.parquet.old.parquet's run holds another lock.)
+            leftovers = re.compile(re.escape(f".{base}.") + "[0-9a-f]{12}" + re.escape(".tmp"))
+            for leftover in fs.glob(posixpath.join(parent, f".{base}.*.tmp")):
+                if leftovers.fullmatch(posixpath.basename(leftover)):
+                    fs.rm(leftover)
             self._sink = _RowGroups(fs, self._tmp, schema)
         self._written: list[pa.RecordBatch] = []  # id and content_key of the new rows
 

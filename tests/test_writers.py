@@ -406,3 +406,14 @@ def test_a_crash_mid_write_leaves_old_outputs_intact_and_no_new_ones(tmp_path):
     for kind in OUTPUTS:  # what a crash leaves behind does not block the next run
         write(new, kind, ["a"])
         assert read_back(new, kind).column("id").to_pylist() == ["a"]
+
+
+def test_a_parquet_file_clears_its_own_killed_temporary_files_not_another_outputs(tmp_path):
+    """x.parquet's run and x.parquet.old.parquet's run hold different locks and may run at once."""
+    own, other = tmp_path / ".x.parquet.0123456789ab.tmp", tmp_path / ".x.parquet.old.parquet.0123456789ab.tmp"
+    own.write_text("left by a killed run")
+    other.write_text("being written by another run")
+    store = open_store(str(tmp_path / "x.parquet"), schema())
+    store.write(batch(["a"]))
+    store.finish({"a": "k-a"}, prune=False)
+    assert not own.exists() and other.read_text() == "being written by another run"

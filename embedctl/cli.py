@@ -190,7 +190,8 @@ def index(
         if report is not None:
             _write_report(report, result.to_json())
 
-    _check_paths(report, [source], out if table is None else f"{out.rstrip('/')}/{table}.lance")  # the table's folder
+    table_folder = f"{out.rstrip('/')}/{table}.lance" if table is not None and out.strip("/") else out
+    _check_paths(report, [source], table_folder)
     _guarded(run, report)
 
 

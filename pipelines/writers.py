@@ -108,6 +108,7 @@ def check_commit_rows(commit_rows: int) -> None:
 def lance_table(out: str, table: str | None = None) -> tuple[str, str] | None:
     """The database and the table name of a LanceDB output (NAME.lance, or a database with table); None for
     a Parquet output. UserError for a name LanceDB refuses, which LanceDB itself does only at the first commit."""
+    _check_named(out)
     if table is not None:
         db, name, option = out, table, f"--table {table}"
     elif out.rstrip("/").endswith(".lance"):
@@ -150,10 +151,14 @@ def check_output(out: str, table: str | None = None) -> None:
         _locate(out)
 
 
+def _check_named(out: str) -> None:
+    if not out.strip("/").strip():
+        raise UserError(f"--out {out!r} names no output of its own; give vectors.lance, out.parquet, a folder/ "
+                        "for the parts or a database folder with --table")
+
+
 def _locate(out: str) -> tuple[fsspec.AbstractFileSystem, str, bool]:
-    if not out.strip("/"):
-        raise UserError(f"--out {out!r} names no output of its own; give vectors.lance, out.parquet or a folder/ "
-                        "for the parts")
+    _check_named(out)
     try:
         fs, path = fsspec.core.url_to_fs(out)
         is_dir = out.endswith("/") or fs.isdir(path)

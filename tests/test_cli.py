@@ -287,6 +287,12 @@ def _root_output(tmp: Path) -> tuple[list, list[str]]:
     return ["docs.jsonl", "--out", "/"], ["--out '/' names no output of its own"]
 
 
+def _empty_database_with_a_table(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--out", "", "--table", "docs"], ["--out '' names no output of its own",
+                                                             "a database folder with --table"]
+
+
 def _lance_output_that_is_a_file(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
     (tmp / "x.lance").write_text("a file where the table would be")
@@ -294,8 +300,9 @@ def _lance_output_that_is_a_file(tmp: Path) -> tuple[list, list[str]]:
 
 
 REFUSED = [_unknown_kind_in_new_folders, _lance_output_that_is_a_file, _folder_output_that_is_a_file, _empty_output,
-           _root_output, _rebuild_onto_its_source, _output_inside_its_source, _report_onto_the_output, _table_with_parquet,
-           _unknown_device, _output_under_a_file, _output_its_glob_would_match, _no_rows_per_commit]
+           _empty_database_with_a_table, _root_output, _rebuild_onto_its_source, _output_inside_its_source,
+           _report_onto_the_output, _table_with_parquet, _unknown_device, _output_under_a_file,
+           _output_its_glob_would_match, _no_rows_per_commit]
 
 
 def test_overlapping_paths_and_impossible_options_are_one_line_and_change_nothing(

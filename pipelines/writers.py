@@ -261,10 +261,14 @@ class _LanceStore:
     def __init__(self, shown: str, db_uri: str, name: str, schema: pa.Schema, rebuild: bool, commit_rows: int) -> None:
         import lancedb  # here, not at the top: Parquet output works where lancedb is not installed
 
-        self._shown, self._name, self._schema = shown, name, schema
-        if (column := _map_column(schema)) is not None:
-            raise UserError(f"--keep column '{column}' holds a map, which a LanceDB table cannot update in place; "
-                            "drop it from --keep, or write Parquet (--out x.parquet)")
+        self._shown, self._name = shown, name
+        # Lance keeps the entries' name of the map that created a table and refuses another on update,
+        # and Parquet's reader names a map's entries after its column: so every group is cast to maps
+        # with entries named "entries", as Arrow names them.
+        self._holds_map = _holds_map(schema)
+        if self._holds_map:
+            schema = pa.schema([_with_standard_maps(field) for field in schema], metadata=schema.metadata)
+        self._schema = schema
         try:
             self._db = lancedb.connect(db_uri)
         except (ValueError, RuntimeError, OSError) as e:  # lance raises RuntimeError for a store it cannot reach
@@ -305,6 +309,8 @@ class _LanceStore:
             self._commit(group)
 
     def _commit(self, group: pa.Table) -> None:
+        if self._holds_map:
+            group = group.cast(self._schema)
         with _io_errors(self._shown):
             if self._table is None:
                 self._table = self._db.create_table(self._target, data=group, schema=self._schema)
@@ -581,12 +587,28 @@ def _incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
     return None
 
 
-def _map_column(schema: pa.Schema) -> str | None:
-    """The first column holding a map at any depth: Lance's merge_insert refuses to update such a table."""
-    def holds_map(kind: pa.DataType) -> bool:
-        return pa.types.is_map(kind) or any(holds_map(kind.field(i).type) for i in range(kind.num_fields))
+def _with_standard_maps(field: pa.Field) -> pa.Field:
+    """field with the entries of each map in it, at any depth, named "entries"."""
+    kind = field.type
+    if pa.types.is_map(kind):
+        kind = pa.map_(_with_standard_maps(kind.key_field), _with_standard_maps(kind.item_field), kind.keys_sorted)
+    elif pa.types.is_struct(kind):
+        kind = pa.struct([_with_standard_maps(kind.field(i)) for i in range(kind.num_fields)])
+    elif pa.types.is_fixed_size_list(kind):
+        kind = pa.list_(_with_standard_maps(kind.value_field), kind.list_size)
+    elif pa.types.is_large_list(kind):
+        kind = pa.large_list(_with_standard_maps(kind.value_field))
+    elif pa.types.is_list(kind):
+        kind = pa.list_(_with_standard_maps(kind.value_field))
+    return field.with_type(kind)
 
-    return next((field.name for field in schema if holds_map(field.type)), None)
+
+def _holds_map(schema: pa.Schema) -> bool:
+    """Whether a column holds a map at any depth."""
+    def holds(kind: pa.DataType) -> bool:
+        return pa.types.is_map(kind) or any(holds(kind.field(i).type) for i in range(kind.num_fields))
+
+    return any(holds(field.type) for field in schema)
 
 
 def _ids(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:

@@ -54,6 +54,8 @@ def main() -> None:
 
     args = parse_args()
     gpus = torch.cuda.device_count()
+    if gpus < 2:
+        raise SystemExit(f"this machine has {gpus} GPU(s); the comparison needs two or more (nvidia-h200-x2)")
     settings = {"one GPU": ["cuda:0"], f"{gpus} GPUs": [f"cuda:{i}" for i in range(gpus)]}
     results: dict = {"gpus": gpus, "docs": args.docs, "models": {}}
     with tempfile.TemporaryDirectory(prefix="embedctl-multi-gpu-") as folder:
@@ -61,8 +63,8 @@ def main() -> None:
         source = write_corpus(args.corpus, scratch / "corpus", args.docs, args.shard_docs)
         for name, path in checkpoints(args.models.split(","), args.minilm, scratch / "models").items():
             runs = {}
-            for setting, devices in settings.items():
-                out = scratch / f"{name}-{len(devices)}.parquet"
+            outputs = [scratch / f"{name}-{position}.parquet" for position in range(len(settings))]
+            for (setting, devices), out in zip(settings.items(), outputs):
                 job = {"model": str(path), "devices": devices, "source": str(source), "out": str(out)}
                 child = subprocess.run([sys.executable, "-m", "bench.multi_gpu_index", "--worker", json.dumps(job)],
                                        capture_output=True, text=True)
@@ -70,7 +72,7 @@ def main() -> None:
                     raise SystemExit(f"{name} on {devices} failed:\n{child.stderr[-4000:]}")
                 runs[setting] = json.loads(child.stdout.strip().splitlines()[-1])
                 print(f"{name} {setting}: {json.dumps(runs[setting])}", flush=True)
-            first, last = (pq.read_table(scratch / f"{name}-{len(d)}.parquet") for d in settings.values())
+            first, last = (pq.read_table(out) for out in outputs)
             assert first.column("id").to_pylist() == last.column("id").to_pylist(), "rows out of order"
             vectors = [np.stack(t.column("vector").to_numpy(zero_copy_only=False)).astype(np.float32)
                        for t in (first, last)]

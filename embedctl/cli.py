@@ -200,6 +200,8 @@ def _devices(device: str | None) -> list[str | None]:
     if device is None or "," not in device:
         return [device]
     names = [name.strip() for name in device.split(",")]
+    if not all(names):
+        raise UserError(f"--device {device!r} has an empty entry; list GPUs as cuda:0,cuda:1")
     if not all(name.startswith("cuda") for name in names):
         raise UserError(f"--device {device}: a list names GPUs only, as cuda:0,cuda:1; give cpu alone")
     if len({"cuda:0" if name == "cuda" else name for name in names}) < len(names):

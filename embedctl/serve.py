@@ -775,7 +775,7 @@ class _Service:
         """The engine's rows for the texts, or for the pairs (texts[i], seconds[i]), and their token count.
         check(encoded, first) sees each tokenized part (first: the index of its first text) before it is queued.
         encode: another tokenization than TextTokenizer.encode / encode_pairs (encode_from_left), in this
-        process, for requests rare enough not to need the workers.
+        process's thread pool, for requests rare enough not to need the workers.
 
         A request of many texts is spread over the worker processes when there are workers, else
         tokenized as tokenize() decides. A spread request's parts join the engine's queue one by one as
@@ -789,8 +789,11 @@ class _Service:
         """
         if encode is not None or len(texts) < WORKER_TEXTS or not self.workers.in_workers:
             inputs = (texts,) if seconds is None else (texts, seconds)
-            encode = encode or (self.tokenizer.encode if seconds is None else self.tokenizer.encode_pairs)
-            encoded = await self.tokenize(encode, *inputs)
+            if encode is not None:  # in the pool always: its first call copies the whole tokenizer
+                encoded = await asyncio.get_running_loop().run_in_executor(self.pool, encode, *inputs)
+            else:
+                encode = self.tokenizer.encode if seconds is None else self.tokenizer.encode_pairs
+                encoded = await self.tokenize(encode, *inputs)
             check(encoded, 0)
             return await self.rows(self.submit(encoded)), _token_count(encoded)
         try:

@@ -265,6 +265,16 @@ def _unknown_device(tmp: Path) -> tuple[list, list[str]]:
     return ["docs.jsonl", "--out", "x.lance", "--device", "tpu"], ["--device tpu", "cpu, cuda or cuda:N"]
 
 
+def _device_list_with_an_empty_entry(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--out", "x.lance", "--device", "cuda:0,"], ["--device 'cuda:0,' has an empty entry"]
+
+
+def _device_list_with_the_cpu(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--out", "x.lance", "--device", "cpu,cuda:0"], ["a list names GPUs only", "give cpu alone"]
+
+
 def _output_under_a_file(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
     (tmp / "plain").write_text("a file, not a folder")
@@ -301,7 +311,8 @@ def _lance_output_that_is_a_file(tmp: Path) -> tuple[list, list[str]]:
 
 REFUSED = [_unknown_kind_in_new_folders, _lance_output_that_is_a_file, _folder_output_that_is_a_file, _empty_output,
            _empty_database_with_a_table, _root_output, _rebuild_onto_its_source, _output_inside_its_source,
-           _report_onto_the_output, _table_with_parquet, _unknown_device, _output_under_a_file,
+           _report_onto_the_output, _table_with_parquet, _unknown_device, _device_list_with_an_empty_entry,
+           _device_list_with_the_cpu, _output_under_a_file,
            _output_its_glob_would_match, _no_rows_per_commit]
 
 

@@ -140,7 +140,7 @@ def index(
 
     Exit codes: 0 done; 2 a problem with the input or the options (one line on stderr); 75 another run holds --out; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
     """
-    source, out, model, report = _home(source), _home(out), _home(model), _home(report)
+    source, out, model, report = _home(source), _output_path(_home(out)), _home(model), _home(report)
     if overwrite or append:  # the flags of earlier versions: say what replaced them
         _fail(f"--{'overwrite' if overwrite else 'append'} is gone: running again into an existing output updates "
               "it (new rows added, changed rows re-embedded); drop the flag, or pass --rebuild to replace the output",
@@ -420,6 +420,15 @@ def _home(path: str | Path | None) -> str | Path | None:
     if path is None or "://" in str(path):
         return path
     return type(path)(os.path.expanduser(path)) if isinstance(path, Path) else os.path.expanduser(path)
+
+
+def _output_path(out: str) -> str:
+    """A local --out with its "." and ".." parts taken out (x/../y.lance is y.lance), as a shell's cd takes
+    them: the lock file, the writers and the overlap checks see one path, and no folder x is made to
+    reach y.lance through it. URLs, and an out that names nothing (refused later), pass unchanged."""
+    if "://" in out or not out.strip("/"):
+        return out
+    return os.path.normpath(out) + ("/" if out.endswith("/") else "")
 
 
 def _local(path: str) -> str | None:

@@ -329,6 +329,17 @@ def test_overlapping_paths_and_impossible_options_are_one_line_and_change_nothin
         assert not (tmp / "typo").exists()  # no folder made for an output that was refused
 
 
+def test_an_output_reached_through_a_missing_folder_and_back_makes_no_folder(tmp_path: Path) -> None:
+    """--out new/../x.parquet is x.parquet, whether the run is refused or runs."""
+    write_jsonl(tmp_path / "docs.jsonl", good_rows("a"))
+    refused, done = run_side_by_side([(["docs.jsonl", "--out", "new/../x.parquet", "--report", "x.parquet"], tmp_path),
+                                      (["docs.jsonl", "--out", "./new/../x.parquet", "-q"], tmp_path)])
+    assert_one_error_line(refused, "--report x.parquet would overwrite x.parquet")
+    assert done.returncode == 0, done.stderr
+    assert pq.read_table(tmp_path / "x.parquet").num_rows == len(good_rows("a"))
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_database_around_the_source_takes_a_table_beside_it_but_not_inside_it(tmp_path: Path) -> None:
     """--out DB --table NAME writes DB/NAME.lance: only that folder must stay out of the source."""
     write_jsonl(tmp_path / "data" / "corpus" / "a.jsonl", good_rows("a"))

@@ -757,7 +757,7 @@ class _Service:
         limit = self.engine.max_length
         encoded = Encoded(ids=[self.tokenizer.cut_ids(ids, limit) for ids in sequences],
                           truncated=[len(ids) > limit for ids in sequences])
-        self.check_truncation(encoded, field=field, truncate=truncate)
+        self.check_encoded(encoded, field=field, truncate=truncate)
         return await self.rows(self.submit(encoded)), _token_count(encoded)
 
     async def run_texts(self, texts: Sequence[str], field: str, truncate: bool, prompt: str = "",
@@ -766,7 +766,7 @@ class _Service:
         losing its end (or with from_left its start)."""
         self.check_texts(texts, field)
         return await self.tokenize_and_run([prompt + text for text in texts] if prompt else texts,
-                                           functools.partial(self.check_truncation, field=field, truncate=truncate),
+                                           functools.partial(self.check_encoded, field=field, truncate=truncate),
                                            encode=self.tokenizer.encode_from_left if from_left else None)
 
     async def tokenize_and_run(self, texts: Sequence[str], check: Callable[[Encoded, int], None],
@@ -848,12 +848,23 @@ class _Service:
                                 f"{self.limits.max_client_batch}; split them over several requests",
                            openai_status=400)  # OpenAI refuses more than 2,048 inputs with 400, and clients split on it
 
-    def check_truncation(self, encoded: Encoded, first: int = 0, *, field: str, truncate: bool) -> None:
-        """A 422 for the first truncated sequence when truncate is false; `first` is the index of encoded's first."""
+    def check_encoded(self, encoded: Encoded, first: int = 0, *, field: str, truncate: bool) -> None:
+        """A 422 for the first sequence that is truncated when truncate is false, or that holds a token past
+        the model's embedding table; `first` is the index of encoded's first."""
         if not truncate and any(encoded.truncated):
             i = first + encoded.truncated.index(True)
             raise ApiError(422, f"{field}[{i}] is longer than the model's max length of {self.engine.max_length} tokens "
                                 "and truncate is false; shorten it or send truncate: true")
+        if self.engine.ids_past_table:
+            for i, ids in enumerate(encoded.ids):
+                self.check_in_table(ids, f"{field}[{first + i}]")
+
+    def check_in_table(self, ids: np.ndarray, name: str) -> None:
+        """A 422, not a failed batch that would fail other clients' requests with it, for a token that the
+        tokenizer adds past the embedding table (Qwen3-Embedding-4B's <think>)."""
+        if len(ids) and (largest := int(ids.max())) >= self.vocab_size:
+            raise ApiError(422, f"{name} holds token id {largest}, which the tokenizer adds but the model's embedding "
+                                "table lacks; leave that token out of the text")
 
     async def scores(self, query: str, texts: Sequence[str], truncate: bool, field: str,
                      from_left: bool = False) -> tuple[np.ndarray, int]:
@@ -862,7 +873,7 @@ class _Service:
         if not query or query.isspace():
             raise _empty("query is blank; send text with at least one non-space character")
         self.check_texts(texts, field)
-        check_truncated = functools.partial(self.check_truncation, field=field, truncate=truncate)
+        check_truncated = functools.partial(self.check_encoded, field=field, truncate=truncate)
         encode = self.tokenizer.encode_from_left if from_left else None
         if self.engine.num_labels:
             rows, tokens = await self.tokenize_and_run([query] * len(texts), check_truncated, texts, encode)
@@ -873,6 +884,8 @@ class _Service:
                 if not truncate and encoded.truncated[0]:
                     raise ApiError(422, f"query is longer than the model's max length of {self.engine.max_length} "
                                         "tokens and truncate is false; shorten it or send truncate: true")
+                if self.engine.ids_past_table:
+                    self.check_in_table(encoded.ids[0], "query")
                 encoded, first = Encoded(encoded.ids[1:], encoded.truncated[1:]), 1
             check_truncated(encoded, first - 1)
 

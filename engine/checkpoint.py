@@ -141,14 +141,24 @@ def match_state_dict(expected: Mapping[str, torch.Tensor], weights: dict[str, to
     return state
 
 
-def base_vocab_size(tokenizer_file: Path) -> int:
-    """How many ids the tokenizer's model gives words, its added tokens left out: Qwen3-Embedding-4B's
-    tokenizer adds <think> and others past the 151,665 rows of its embedding table, which no text
-    without them reaches (Engine.step refuses a batch that holds one)."""
+@dataclass(frozen=True)
+class TokenizerIds:
+    """The ids a tokenizer.json gives, for checking them against a model's embedding table."""
+
+    words: int  # how many ids its model gives words, its added tokens left out
+    largest: int  # the largest id it can give, added tokens included
+    framing: int  # the largest id of a short text as encoded: its post-processor's special tokens and a word
+
+
+def tokenizer_ids(tokenizer_file: Path) -> TokenizerIds:
+    """The ids of tokenizer_file; UserError when the tokenizers library cannot read it."""
     from tokenizers import Tokenizer
 
     try:
-        return Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=False)
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        return TokenizerIds(words=tokenizer.get_vocab_size(with_added_tokens=False),
+                            largest=max(tokenizer.get_vocab(with_added_tokens=True).values()),
+                            framing=max(tokenizer.encode("a").ids, default=0))
     except Exception as error:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
         raise UserError(f"{tokenizer_file} is not a usable tokenizer.json ({short_reason(error)}); "
                         "replace it with the model's own tokenizer.json") from None

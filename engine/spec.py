@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from engine.checkpoint import (ModelFiles, base_vocab_size, config_errors, files_digest, position_offset,
+from engine.checkpoint import (ModelFiles, config_errors, files_digest, position_offset, tokenizer_ids,
                                weights_digest)
 from engine.config import EngineConfig
 from engine.errors import UserError
@@ -37,6 +37,9 @@ class ModelSpec:
     max_length: int
     quantization: str | None  # "int8": round(tanh(x) * 127); None: float32
     sigmoid: bool  # a one-label cross-encoder squashes its score
+    # The tokenizer adds tokens past the embedding table (Qwen3-Embedding-4B's <think> and others past its
+    # 151,665 rows), which no text without them reaches: Engine.step then checks each batch's ids.
+    ids_past_table: bool = False
 
     @classmethod
     def of(cls, files: ModelFiles, config: EngineConfig) -> ModelSpec:
@@ -60,10 +63,13 @@ class ModelSpec:
             raise UserError(f"model type {model_type!r} is not supported yet; embedctl runs "
                             f"{', '.join(BERT_FAMILY + QWEN3_FAMILY)} models")
         vocab_size = files.config["vocab_size"]
-        if (words := base_vocab_size(files.tokenizer_file)) > vocab_size:
-            raise UserError(f"{files.tokenizer_file} gives words {words} ids but config.json's vocab_size is "
-                            f"{vocab_size}: the tokenizer and the weights are not one model's; put the model's own "
-                            "tokenizer.json beside them")
+        ids = tokenizer_ids(files.tokenizer_file)
+        if ids.words > vocab_size or ids.framing >= vocab_size:
+            given = f"words {ids.words} ids" if ids.words > vocab_size else f"every text the token id {ids.framing}"
+            raise UserError(f"{files.tokenizer_file} gives {given} but config.json's vocab_size is {vocab_size}: the "
+                            "tokenizer and the weights are not one model's; put the model's own tokenizer.json "
+                            "beside them")
+        ids_past_table = ids.largest >= vocab_size
         if config.max_length is not None and config.max_length > max_positions:
             raise UserError(f"--max-length {config.max_length} is past the {max_positions} positions {files.name} "
                             f"was trained for; pick at most {max_positions}")
@@ -76,7 +82,7 @@ class ModelSpec:
                 raise UserError(f"{files.name} is a cross-encoder: it scores pairs and has no vectors to cut "
                                 "or normalise; drop --dim and --normalize")
             sigmoid = _sigmoid(files, labels)
-            return cls(files, family, labels, "cls", False, labels, max_length, None, sigmoid)
+            return cls(files, family, labels, "cls", False, labels, max_length, None, sigmoid, ids_past_table)
         width = files.config["hidden_size"]
         for layer in files.dense:
             if layer.in_features != width:
@@ -90,7 +96,7 @@ class ModelSpec:
             raise UserError(f"{files.name} outputs {files.quantization} vectors (round(tanh(x) * 127)), which "
                             "are compared by cosine and not normalised; drop --normalize")
         return cls(files, family, 0, files.pooling, normalize, config.dim or width, max_length,
-                   files.quantization, False)
+                   files.quantization, False, ids_past_table)
 
     @property
     def vector_dtype(self) -> str:

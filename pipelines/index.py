@@ -399,6 +399,7 @@ def _tokenize(selections: Iterator[_Selection], model: IndexModel, options: Inde
     if first is None:
         return
     tokenizer = model.tokenizer  # loaded here, at the first row to embed
+    table = model.spec.files.config["vocab_size"] if model.spec.ids_past_table else None
     processes = options.tokenizer_processes
     if processes is None:
         processes = default_processes(model.on_gpu(), total_rows)
@@ -412,22 +413,29 @@ def _tokenize(selections: Iterator[_Selection], model: IndexModel, options: Inde
                 break
             except Exception:
                 for earlier in pending:
-                    _collected(*earlier, tokenizer.max_length, options)  # a failure in rows before is the one to report
+                    _collected(*earlier, tokenizer.max_length, table, options)  # a failure in rows before is the one to report
                 raise
             pending.append((selection, pool.submit([options.prompt + selection.chunk.texts[row] for row in selection.rows])))
             while len(pending) >= pool.depth:
-                yield _collected(*pending.popleft(), tokenizer.max_length, options)
+                yield _collected(*pending.popleft(), tokenizer.max_length, table, options)
         while pending:
-            yield _collected(*pending.popleft(), tokenizer.max_length, options)
+            yield _collected(*pending.popleft(), tokenizer.max_length, table, options)
 
 
-def _collected(selection: _Selection, future: Future[Encoded], max_length: int, options: IndexOptions) -> _Tokenized:
-    """A selection's tokens once the pool has them; UserError for an over-long text when on_long is error."""
+def _collected(selection: _Selection, future: Future[Encoded], max_length: int, table: int | None,
+               options: IndexOptions) -> _Tokenized:
+    """A selection's tokens once the pool has them; UserError for an over-long text when on_long is error,
+    and for a text holding a token past the embedding table's `table` rows (None: the tokenizer gives none)."""
     chunk, rows, encoded = selection.chunk, selection.rows, future.result()
     if options.on_long == "error" and any(encoded.truncated):
         row = rows[encoded.truncated.index(True)]
         raise UserError(f"{chunk.where(row)}: text is longer than the model's {max_length} "
                         "tokens; shorten it or pass --on-long truncate")
+    if table is not None:
+        for row, ids in zip(rows, encoded.ids):
+            if len(ids) and (largest := int(ids.max())) >= table:
+                raise UserError(f"{chunk.where(row)}: the text (id {chunk.ids[row]!r}) holds token id {largest}, which "
+                                "the tokenizer adds but the model's embedding table lacks; take that token out of it")
     return _Tokenized(chunk, rows, encoded.ids, encoded.truncated, selection.keys)
 
 

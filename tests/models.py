@@ -66,3 +66,12 @@ def save_dense_model(source: Path, directory: Path, activation: torch.nn.Module,
                                  modules.Dense(64, 48, activation_function=activation),
                                  modules.Dense(48, 32, bias=False), modules.Normalize()], device="cpu").save(str(directory))
     return directory
+
+
+def add_token_past_the_table(model: Path) -> None:
+    """Add <think> to the model's tokenizer as id 30522, one past a random BERT's embedding table, as
+    Qwen3-Embedding-4B's tokenizer adds <think> past its 151,665 embeddings."""
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({"id": 30522, "content": "<think>", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": False})
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))

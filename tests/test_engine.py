@@ -16,7 +16,7 @@ from engine import Engine, EngineConfig, PackedBatch, Packer, UserError
 from engine.checkpoint import files_digest, weights_digest
 from engine.graphs import all_buckets, all_shapes, bucket_for, slots_for
 from engine.pooling import pool
-from tests.models import save_dense_model, save_random_model
+from tests.models import add_token_past_the_table, save_dense_model, save_random_model
 
 TEXTS = [
     "hello world",
@@ -150,15 +150,22 @@ def test_unknown_weight_is_an_error(random_bert) -> None:
 
 
 def test_an_added_token_past_the_embedding_table_loads_but_a_batch_holding_it_is_refused(random_bert) -> None:
-    """As Qwen3-Embedding-4B's tokenizer adds <think> past its 151,665 embeddings: texts without it embed."""
-    tokenizer = json.loads((random_bert / "tokenizer.json").read_text())
-    tokenizer["added_tokens"].append({"id": 30522, "content": "<think>", "single_word": False, "lstrip": False,
-                                      "rstrip": False, "normalized": False, "special": False})
-    (random_bert / "tokenizer.json").write_text(json.dumps(tokenizer))
+    add_token_past_the_table(random_bert)
     engine = Engine.load(str(random_bert), EngineConfig(device="cpu"))
-    assert engine.embed([[101, 7592, 102]]).shape == (1, engine.dim)
-    with pytest.raises(UserError, match="a sequence holds token id 30522, past the 30522 rows of the model's embedding"):
+    assert engine.ids_past_table and engine.embed([[101, 7592, 102]]).shape == (1, engine.dim)
+    message = "a sequence holds token id 30522, outside the 30522 rows of the model's embedding table"
+    with pytest.raises(UserError, match=message):
         engine.embed([[101, 30522, 102]])
+    with pytest.raises(UserError, match=message):
+        engine.step(PackedBatch.of([[101, 30522, 102]]))
+
+
+def test_ids_outside_the_table_are_refused_by_embed_for_any_model(random_bert) -> None:
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu"))
+    assert not engine.ids_past_table  # step() leaves the check to its callers, which tokenized the texts
+    for bad in (30522, -1):
+        with pytest.raises(UserError, match=f"a sequence holds token id {bad}, outside the 30522 rows"):
+            engine.embed([[101, bad, 102]])
 
 
 def test_an_empty_model_name_is_refused_rather_than_taken_for_the_default() -> None:
@@ -458,6 +465,12 @@ def _config_without(d, key: str) -> None:
     (lambda d: _edit_json(d / "config.json", num_hidden_layers="two"), "config.json holds a value of the wrong kind"),
     (lambda d: _edit_json(d / "config.json", vocab_size=1000),
      "tokenizer.json gives words 30522 ids but config.json's vocab_size is 1000"),
+    (lambda d: _edit_json(d / "tokenizer.json", post_processor={
+        "type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "[SEP]", "type_id": 0}},
+                                                 {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"[SEP]": {"id": "[SEP]", "ids": [40000], "tokens": ["[SEP]"]}}}),
+     "tokenizer.json gives every text the token id 40000 but config.json's vocab_size is 30522"),
 ])
 def test_model_files_that_do_not_hold_together_are_one_line_not_a_traceback(random_bert, edit, message: str) -> None:
     edit(random_bert)

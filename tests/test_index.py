@@ -31,7 +31,7 @@ from pipelines.progress import plural
 from pipelines.tokenize import TextTokenizer
 from pipelines.tokenize_pool import TokenizerPool
 from tests.files import child_processes, snapshot, write_jsonl
-from tests.models import save_random_model
+from tests.models import add_token_past_the_table, save_random_model
 
 LONG = "A sentence that repeats until the text is longer than the model allows. " * 40
 OUTPUTS = ["x.lance", "x.parquet", "dir/"]
@@ -500,6 +500,18 @@ def test_a_cross_encoder_is_refused_having_no_vectors_to_index(tmp_path: Path) -
     with pytest.raises(UserError, match="is a cross-encoder: it scores query-document pairs and has no vectors"):
         run_index(IndexModel.loaded(Engine.load(str(reranker))), IndexOptions(str(source), f"{tmp_path}/x.parquet"))
     assert not (tmp_path / "x.parquet").exists()
+
+
+def test_a_text_holding_a_token_past_the_embedding_table_is_named_by_its_row(tmp_path: Path, random_bert: Path) -> None:
+    """Qwen3-Embedding-4B's <think>: the line and id to fix, rather than a failed batch of rows."""
+    add_token_past_the_table(random_bert)
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu"))
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "A cat."}, {"id": "b", "text": "<think> a dog"}])
+    with pytest.raises(UserError, match=r"docs.jsonl line 2: the text \(id 'b'\) holds token id 30522, which the "
+                                        "tokenizer adds but the model's embedding table lacks"):
+        index(engine, source, f"{tmp_path}/x.parquet")
+    write_jsonl(source, [{"id": "a", "text": "A cat."}, {"id": "b", "text": "a dog"}])
+    assert index(engine, source, f"{tmp_path}/x.parquet").added == 2
 
 
 @pytest.mark.parametrize("out", OUTPUTS)

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -45,7 +46,7 @@ from engine.lazy import LazyTensor
 from engine.scheduler import QueueFull, Scheduler
 from pipelines.tokenize import TextTokenizer
 from tests.files import ENV, assert_one_error_line, write_jsonl
-from tests.models import save_random_model
+from tests.models import add_token_past_the_table, save_random_model
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
 KEY = "test-key"
@@ -809,6 +810,26 @@ def test_health_and_ping_after_a_failed_warm_up_are_503_unhealthy_with_the_reaso
         assert reply.status_code == 503 and "Retry-After" not in reply.headers  # retrying will not help
         assert message.startswith("the warm-up failed: ") and "out of bounds" in message
         assert error_type == "Unhealthy"
+
+
+def test_a_token_past_the_embedding_table_fails_its_own_request_only(random_bert: Path) -> None:
+    """Qwen3-Embedding-4B's <think>: a 422 for the request that holds it, not a failed batch that would fail
+    the other clients' requests batched with it."""
+    add_token_past_the_table(random_bert)
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu"))
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+    texts = ["a cat <think> sat", "a cat sat"] * 8
+    with serving(create_app(engine, tokenizer)) as url, ThreadPoolExecutor(len(texts)) as pool:
+        answers = list(pool.map(lambda text: httpx.post(url + "/embed", json={"inputs": ["fine", text]}), texts))
+        query = httpx.post(url + "/rerank", json={"query": "<think> cat", "texts": ["a cat"]})
+        document = httpx.post(url + "/v1/embeddings", json={"input": ["fine", "<think>"]})
+    for answer in answers[::2]:
+        assert answer.status_code == 422
+        assert refusal(answer)[0] == ("inputs[1] holds token id 30522, which the tokenizer adds but the model's "
+                                      "embedding table lacks; leave that token out of the text")
+    assert all(answer.status_code == 200 for answer in answers[1::2])
+    assert query.status_code == 422 and refusal(query)[0].startswith("query holds token id 30522")
+    assert document.status_code == 400 and refusal(document)[0].startswith("input[1] holds token id 30522")
 
 
 def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path) -> None:

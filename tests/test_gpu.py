@@ -387,3 +387,26 @@ def test_cross_encoder_on_the_gpu_equals_the_cpu(tmp_path, attention: str) -> No
     for scores in results:
         assert scores.shape == (4, 2)
         assert np.abs(scores - expected).max() <= 0.02 * spread + 1e-3
+
+
+def test_score_top_k_on_the_gpu_equals_the_cpu_in_any_chunking() -> None:
+    """`embedctl score` ranks on the GPU when there is one: each pair's score, rounded from float64,
+    is the same there, on the CPU, and in every chunking, so the ranks and the order among ties are too."""
+    from pipelines.score import RunningTopK
+
+    rng = np.random.default_rng(2)
+    queries = rng.standard_normal((70, 384)).astype(np.float32)
+    docs = rng.standard_normal((3000, 384)).astype(np.float32)
+    docs[1500] = docs[10]  # a tie, which document order decides
+
+    def top(device: str, chunk: int) -> RunningTopK:
+        running = RunningTopK(torch.from_numpy(queries).to(device), 20)
+        for start in range(0, len(docs), chunk):
+            running.add(torch.from_numpy(docs[start:start + chunk]).to(device))
+        return running
+
+    expected = top("cpu", len(docs))
+    for chunk in (7, 1000, len(docs)):
+        found = top("cuda", chunk)
+        assert torch.equal(found.indices.cpu(), expected.indices)
+        assert torch.equal(found.scores.cpu(), expected.scores)

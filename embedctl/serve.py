@@ -856,15 +856,14 @@ class _Service:
             raise ApiError(422, f"{field}[{i}] is longer than the model's max length of {self.engine.max_length} tokens "
                                 "and truncate is false; shorten it or send truncate: true")
         if self.engine.ids_past_table:
-            for i, ids in enumerate(encoded.ids):
-                self.check_in_table(ids, f"{field}[{first + i}]")
+            self.check_in_table(encoded, lambda i: f"{field}[{first + i}]")
 
-    def check_in_table(self, ids: np.ndarray, name: str) -> None:
-        """A 422, not a failed batch that would fail other clients' requests with it, for a token that the
-        tokenizer adds past the embedding table (Qwen3-Embedding-4B's <think>)."""
-        if len(ids) and (largest := int(ids.max())) >= self.vocab_size:
-            raise ApiError(422, f"{name} holds token id {largest}, which the tokenizer adds but the model's embedding "
-                                "table lacks; leave that token out of the text")
+    def check_in_table(self, encoded: Encoded, name: Callable[[int], str]) -> None:
+        """A 422, not a failed batch that would fail other clients' requests with it, for a text holding a
+        token that the tokenizer adds past the embedding table (Qwen3-Embedding-4B's <think>)."""
+        if (found := encoded.past_table(self.vocab_size)) is not None:
+            raise ApiError(422, f"{name(found[0])} holds token id {found[1]}, which the tokenizer adds but the model's "
+                                "embedding table lacks; leave that token out of the text")
 
     async def scores(self, query: str, texts: Sequence[str], truncate: bool, field: str,
                      from_left: bool = False) -> tuple[np.ndarray, int]:
@@ -876,6 +875,8 @@ class _Service:
         check_truncated = functools.partial(self.check_encoded, field=field, truncate=truncate)
         encode = self.tokenizer.encode_from_left if from_left else None
         if self.engine.num_labels:
+            if self.engine.ids_past_table:  # named here: every pair holds the query
+                self.check_in_table(self.tokenizer.encode([query]), lambda _: "query")
             rows, tokens = await self.tokenize_and_run([query] * len(texts), check_truncated, texts, encode)
             return rows[:, 0], tokens
 
@@ -885,7 +886,7 @@ class _Service:
                     raise ApiError(422, f"query is longer than the model's max length of {self.engine.max_length} "
                                         "tokens and truncate is false; shorten it or send truncate: true")
                 if self.engine.ids_past_table:
-                    self.check_in_table(encoded.ids[0], "query")
+                    self.check_in_table(Encoded(encoded.ids[:1], encoded.truncated[:1]), lambda _: "query")
                 encoded, first = Encoded(encoded.ids[1:], encoded.truncated[1:]), 1
             check_truncated(encoded, first - 1)
 

@@ -147,7 +147,7 @@ class TokenizerIds:
 
     words: int  # how many ids its model gives words, its added tokens left out
     largest: int  # the largest id it can give, added tokens included
-    framing: int  # the largest id of a short text as encoded: its post-processor's special tokens and a word
+    framing: int  # the largest id of a short text and pair as encoded: the post-processor's special tokens
 
 
 def tokenizer_ids(tokenizer_file: Path) -> TokenizerIds:
@@ -156,9 +156,11 @@ def tokenizer_ids(tokenizer_file: Path) -> TokenizerIds:
 
     try:
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        tokenizer.no_padding()  # its pad token is not framing: embedctl never pads
+        framing = max((*tokenizer.encode("a").ids, *tokenizer.encode("a", "b").ids), default=0)
         return TokenizerIds(words=tokenizer.get_vocab_size(with_added_tokens=False),
-                            largest=max(tokenizer.get_vocab(with_added_tokens=True).values()),
-                            framing=max(tokenizer.encode("a").ids, default=0))
+                            largest=max(framing, *tokenizer.get_vocab(with_added_tokens=True).values()),
+                            framing=framing)
     except Exception as error:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
         raise UserError(f"{tokenizer_file} is not a usable tokenizer.json ({short_reason(error)}); "
                         "replace it with the model's own tokenizer.json") from None

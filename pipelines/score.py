@@ -341,7 +341,8 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
     # A table's vectors carry the prompt they were indexed with; only documents this run embeds take one.
     doc_prompt = "" if isinstance(docs, StoredVectors) else resolve_prompt(engine.files, "document", options.doc_prompt,
                                                                            options.doc_prompt_name)
-    top = RunningTopK(_vectors(engine, tokenizer, queries.texts, query_prompt)[0], top_k or options.top_k)
+    query_vectors = _vectors(engine, tokenizer, queries.texts, query_prompt, lambda i: f"query {queries.ids[i]!r}")[0]
+    top = RunningTopK(query_vectors, top_k or options.top_k)
     doc_ids: list[str] = []
     seen: set[str] = set()
     skipped = tokens = 0
@@ -379,7 +380,8 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
                 doc_ids.append(doc_id)
                 rows.append(row)
             if rows:
-                vectors, chunk_tokens = _vectors(engine, tokenizer, [chunk.texts[row] for row in rows], doc_prompt)
+                vectors, chunk_tokens = _vectors(engine, tokenizer, [chunk.texts[row] for row in rows], doc_prompt,
+                                                 lambda i: f"{chunk.where(rows[i])}: document {chunk.ids[rows[i]]!r}")
                 top.add(vectors)
                 tokens += chunk_tokens
             if progress is not None:
@@ -640,11 +642,13 @@ def _hits(ranking: Ranking) -> Iterator[tuple[str, str, int, float]]:
 
 
 def _cosines(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
-    """queries @ docs.T, summed in float64 and rounded to float32: each score is then its dot product
-    correctly rounded, whatever the chunk's shape. A float32 product is not: BLAS sums a chunk's columns
-    in orders that depend on its width and on the CPU, and a pair must score the same in every chunking
-    (a streamed top-k equals the in-memory one) and equal documents equally (ties keep document order).
-    It costs 1.4x a float32 product on the CPU (256 x 4,096 x 384), small beside embedding the chunk."""
+    """queries @ docs.T, summed in float64 and rounded to float32, so that a pair scores the same whatever
+    the chunk's shape (but for a float64 sum within 1e-16 of a float32 rounding boundary: none in 1.28M
+    pairs tried). A float32 product does not: BLAS sums a chunk's columns in orders that depend on its
+    width and on the CPU, and a pair must score the same in every chunking (a streamed top-k equals the
+    in-memory one) and equal documents equally (ties keep document order). It costs 1.4x a float32
+    product on the CPU (256 x 4,096 x 384), small beside embedding the chunk, and about as much on an
+    H200 (float64 there runs near float32's rate; on L4-class cards at 1/32 of it)."""
     return (queries.double() @ docs.double().T).float()
 
 
@@ -660,11 +664,16 @@ def _trec_lines(ranking: Ranking) -> Iterator[str]:
         yield f"{query_id} Q0 {doc_id} {rank_} {score:.9g} {TREC_RUN_TAG}\n"
 
 
-def _vectors(engine: Engine, tokenizer: TextTokenizer, texts: list[str], prompt: str) -> tuple[torch.Tensor, int]:
-    """L2-normalised vectors on the engine's device, so that dot products are cosines, and their tokens."""
-    ids = tokenizer.encode([prompt + text for text in texts]).ids
-    vectors = torch.from_numpy(engine.embed(ids))
-    return _unit(vectors.to(engine.device), engine.normalize), sum(len(row) for row in ids)
+def _vectors(engine: Engine, tokenizer: TextTokenizer, texts: list[str], prompt: str,
+             where: Callable[[int], str]) -> tuple[torch.Tensor, int]:
+    """L2-normalised vectors on the engine's device, so that dot products are cosines, and their tokens.
+    where(i) names text i in an error."""
+    encoded = tokenizer.encode([prompt + text for text in texts])
+    if engine.ids_past_table and (found := encoded.past_table(engine.vocab_size)) is not None:
+        raise UserError(f"{where(found[0])} holds token id {found[1]}, which the tokenizer adds but the model's "
+                        "embedding table lacks; take that token out of it")
+    vectors = torch.from_numpy(engine.embed(encoded.ids))
+    return _unit(vectors.to(engine.device), engine.normalize), sum(len(row) for row in encoded.ids)
 
 
 def _unit(vectors: torch.Tensor, normalized: bool) -> torch.Tensor:

@@ -90,6 +90,14 @@ class Encoded:
     truncated: list[bool]
     type_ids: list[np.ndarray] | None = None  # int32 token types per pair; None for single texts
 
+    def past_table(self, rows: int) -> tuple[int, int] | None:
+        """(text, token id) of the first text holding an id past an embedding table of `rows` rows (a
+        token the tokenizer adds that the weights never learnt, as Qwen3-Embedding-4B's <think>); None if none."""
+        for text, ids in enumerate(self.ids):
+            if len(ids) and (largest := int(ids.max())) >= rows:
+                return text, largest
+        return None
+
 
 PairResult = tuple[np.ndarray, np.ndarray, bool]  # a pair's int32 ids and token types, and whether it was truncated
 

@@ -31,7 +31,7 @@ from pipelines.qrels import evaluate, read_qrels
 from pipelines.score import (Queries, Ranking, RunningTopK, ScoreOptions, open_inputs, pair_groups, pair_scores, rank,
                              rerank, run_score, write_run)
 from engine import Engine, LazyTensor, PackedBatch, UserError
-from tests.models import minilm_path, save_random_model
+from tests.models import add_token_past_the_table, minilm_path, save_random_model
 from pipelines.readers import Chunk
 from pipelines.tokenize_pool import TokenizerPool
 from tests.files import snapshot, write_jsonl
@@ -155,6 +155,21 @@ def test_prompts_are_prepended_and_empty_documents_skipped(model: Embedder) -> N
     np.testing.assert_allclose(ranking.scores, scores, atol=1e-5)
     plain = model.embed(["a question"]) @ model.embed(texts).T
     assert not np.allclose(np.sort(plain, axis=1)[:, ::-1], scores, atol=1e-3)
+
+
+def test_a_text_holding_a_token_past_the_embedding_table_is_named(random_bert: Path) -> None:
+    """Qwen3-Embedding-4B's <think>: the query or the document to fix, not an unnamed failed batch."""
+    add_token_past_the_table(random_bert)
+    model = embedctl.load(str(random_bert), device="cpu")
+    options = ScoreOptions(queries="q.jsonl", docs="docs.jsonl", top_k=2)
+    docs = [Chunk("docs.jsonl", ["a", "b"], ["a cat", "a <think> dog"], [1, 2], None)]
+    with pytest.raises(UserError, match=r"^docs.jsonl line 2: document 'b' holds token id 30522, which the tokenizer adds"):
+        rank(model.engine, model.tokenizer, Queries(["q"], ["a pet"]), docs, options)
+    with pytest.raises(UserError, match=r"^query 'q2' holds token id 30522, which the tokenizer adds"):
+        rank(model.engine, model.tokenizer, Queries(["q1", "q2"], ["a pet", "<think> a pet"]), docs[:0], options)
+    docs = [Chunk("docs.jsonl", ["a", "b"], ["a cat", "a dog"], [1, 2], None)]
+    assert rank(model.engine, model.tokenizer, Queries(["q"], ["a pet"]), docs, options).doc_ids[0] in (["a", "b"],
+                                                                                                     ["b", "a"])
 
 
 def test_prompts_come_from_the_model_config_by_role_or_name(tmp_path: Path, minilm_dir: Path) -> None:

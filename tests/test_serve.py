@@ -832,6 +832,24 @@ def test_a_token_past_the_embedding_table_fails_its_own_request_only(random_bert
     assert document.status_code == 400 and refusal(document)[0].startswith("input[1] holds token id 30522")
 
 
+def test_a_token_past_the_table_is_named_in_spread_requests_and_by_a_cross_encoder(tmp_path: Path) -> None:
+    """The worker processes' parts name the text by its place in the whole request; a cross-encoder names
+    the query, which every pair holds."""
+    path = save_random_model(tmp_path / "cross-encoder", "BertForSequenceClassification", num_labels=1)
+    add_token_past_the_table(path)
+    engine = Engine.load(str(path), EngineConfig(device="cpu"))
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+    texts = [f"document {i}" for i in range(40)]
+    texts[37] = "document <think> 37"
+    with serving(create_app(engine, tokenizer, tokenizer_processes=2)) as url:
+        spread = httpx.post(url + "/rerank", json={"query": "a query", "texts": texts})
+        query = httpx.post(url + "/rerank", json={"query": "<think> a query", "texts": texts[:2]})
+        fine = httpx.post(url + "/rerank", json={"query": "a query", "texts": texts[:37]})
+    assert spread.status_code == 422 and refusal(spread)[0].startswith("texts[37] holds token id 30522")
+    assert query.status_code == 422 and refusal(query)[0].startswith("query holds token id 30522")
+    assert fine.status_code == 200 and len(fine.json()) == 37
+
+
 def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path) -> None:
     """Four texts, and the same 20 times over, which a server with tokenizer workers spreads over them."""
     import transformers

@@ -39,7 +39,7 @@ class ModelSpec:
     sigmoid: bool  # a one-label cross-encoder squashes its score
     # The tokenizer adds tokens past the embedding table (Qwen3-Embedding-4B's <think> and others past its
     # 151,665 rows), which no text without them reaches: Engine.step then checks each batch's ids.
-    ids_past_table: bool = False
+    ids_past_table: bool
 
     @classmethod
     def of(cls, files: ModelFiles, config: EngineConfig) -> ModelSpec:

@@ -315,7 +315,9 @@ def serve(
                               cuda_graphs=not eager, compile=fuse, warmup=warmup, attention=attention,
                               normalize=normalize, dim=dim, max_length=max_length, lanes=lanes)
         limits = ServeLimits(max_client_batch=max_client_batch, max_request_bytes=max_request_bytes, max_queue=max_queue)
-        run_server(model, config, ServeOptions(host=host, port=port, api_key=api_key, limits=limits, access_log=access_log,
+        # click takes an empty EMBEDCTL_API_KEY for an unset one: a server meant to be guarded would run open.
+        key = api_key if api_key is not None or "EMBEDCTL_API_KEY" not in os.environ else os.environ["EMBEDCTL_API_KEY"]
+        run_server(model, config, ServeOptions(host=host, port=port, api_key=key, limits=limits, access_log=access_log,
                                                tokenizer_processes=tokenizer_processes, doc_prompt=doc_prompt,
                                                query_prompt=query_prompt))
 

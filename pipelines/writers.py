@@ -569,7 +569,10 @@ def _incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
     if CONTENT_KEY not in old.names:
         return f"it has no {CONTENT_KEY} column (it was not made by this version of embedctl)"
     old_meta, new_meta = _embedctl_metadata(old), _embedctl_metadata(new)
-    for key in sorted(old_meta.keys() | new_meta.keys()):
+    # The weights first, then the model's other files: another model differs in both, and in dim or pooling.
+    first = ["embedctl.weights_sha256", "embedctl.files_sha256"]
+    rank = {key: place for place, key in enumerate(first)}
+    for key in sorted(old_meta.keys() | new_meta.keys(), key=lambda key: (rank.get(key, len(first)), key)):
         if key not in old_meta and key.removeprefix("embedctl.") in LATER_SETTINGS:
             continue
         if old_meta.get(key) != new_meta.get(key):

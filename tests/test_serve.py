@@ -706,6 +706,8 @@ def test_an_empty_api_key_is_refused_rather_than_serving_without_one(minilm_dir:
     # `--api-key "$KEY"` with KEY unset, in a unit file or a container spec, must not leave the server open.
     result = serve_cli(minilm_dir, "--api-key", "")
     assert_one_error_line(result, "--api-key (or EMBEDCTL_API_KEY) is empty")
+    from_environment = serve_cli(minilm_dir, env=ENV | {"EMBEDCTL_API_KEY": ""})
+    assert_one_error_line(from_environment, "--api-key (or EMBEDCTL_API_KEY) is empty")
 
 
 def test_limits_that_could_never_admit_a_full_rerank_are_refused() -> None:
@@ -752,9 +754,9 @@ def failing_on(fails: Callable[[PackedBatch], bool], step: Callable[[PackedBatch
     return checked
 
 
-def serve_cli(model: Path, *args: str) -> subprocess.CompletedProcess:
+def serve_cli(model: Path, *args: str, env: dict[str, str] = ENV) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "embedctl.cli", "serve", "--device", "cpu", "--model", str(model), *args],
-                          env=ENV, capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=120)
 
 
 # Cross-encoder and the scheduler, in this process

@@ -138,7 +138,8 @@ def test_other_settings_or_columns_are_refused_and_leave_the_output_byte_identic
     with pytest.raises(UserError, match=r"cannot update .*: it was embedded with the model test/model \(weights sha256 "
                                         r"abc\.\.\.\) and this run's is other/model \(weights sha256 def\.\.\.\); "
                                         "pass --rebuild to re-embed it all"):
-        open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.weights_sha256": "def",
+        open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.weights_sha256": "def", "embedctl.dim": "8",
+                                                                 "embedctl.files_sha256": "fed",
                                                                  "embedctl.model": "other/model"}))
     with pytest.raises(UserError, match="pooling None and this run's pooling is 'cls'"):
         open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.pooling": "cls"}))

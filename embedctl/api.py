@@ -50,6 +50,9 @@ class Embedder:
     def _embed(self, texts: Sequence[str], prompt: str) -> np.ndarray:
         if isinstance(texts, str):
             raise TypeError("embed() takes a list of texts; wrap a single text in a list")
+        texts = list(texts)
+        if (bad := next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)) is not None:
+            raise TypeError(f"texts[{bad}] is {type(texts[bad]).__name__}, not a string; embed() takes a list of texts")
         return self.engine.embed(self.tokenizer.encode([prompt + text for text in texts] if prompt else texts).ids)
 
 

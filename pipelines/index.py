@@ -255,6 +255,10 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
             # JSONL without a row gives the kept keys no type; an output made without their columns
             # would refuse every later run that has rows.
             flow.finish()
+            if options.prune or options.rebuild:  # asked to empty the output: most likely an export that failed
+                flag = "--rebuild" if options.rebuild else "--prune"
+                raise UserError(f"the source holds no rows, so {flag} has nothing to leave in {options.out} (and no "
+                                "rows to tell the types of the --keep columns); check the source (an empty export?)")
             report.not_written = "the source has no rows to tell the types of the --keep columns"
             return report
         settings = {**spec.settings(), "prompt": options.prompt}

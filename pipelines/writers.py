@@ -110,6 +110,9 @@ def lance_table(out: str, table: str | None = None) -> tuple[str, str] | None:
     a Parquet output. UserError for a name LanceDB refuses, which LanceDB itself does only at the first commit."""
     _check_named(out)
     if table is not None:
+        if out.rstrip("/").endswith(".lance"):  # a table's folder; a table inside it would be lost to LanceDB
+            raise UserError(f"--out {out} names a LanceDB table, and --table {table} a table of a database; give "
+                            f"--out the database folder that holds the tables, or drop --table")
         db, name, option = out, table, f"--table {table}"
     elif out.rstrip("/").endswith(".lance"):
         db, _, base = out.rstrip("/").rpartition("/")

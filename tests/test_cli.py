@@ -303,6 +303,12 @@ def _empty_database_with_a_table(tmp: Path) -> tuple[list, list[str]]:
                                                              "a database folder with --table"]
 
 
+def _table_inside_a_table(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--out", "v.lance", "--table", "docs"], ["--out v.lance names a LanceDB table",
+                                                                   "give --out the database folder"]
+
+
 def _lance_output_that_is_a_file(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
     (tmp / "x.lance").write_text("a file where the table would be")
@@ -310,9 +316,9 @@ def _lance_output_that_is_a_file(tmp: Path) -> tuple[list, list[str]]:
 
 
 REFUSED = [_unknown_kind_in_new_folders, _lance_output_that_is_a_file, _folder_output_that_is_a_file, _empty_output,
-           _empty_database_with_a_table, _root_output, _rebuild_onto_its_source, _output_inside_its_source,
-           _report_onto_the_output, _table_with_parquet, _unknown_device, _device_list_with_an_empty_entry,
-           _device_list_with_the_cpu, _output_under_a_file,
+           _empty_database_with_a_table, _table_inside_a_table, _root_output, _rebuild_onto_its_source,
+           _output_inside_its_source, _report_onto_the_output, _table_with_parquet, _unknown_device,
+           _device_list_with_an_empty_entry, _device_list_with_the_cpu, _output_under_a_file,
            _output_its_glob_would_match, _no_rows_per_commit]
 
 
@@ -550,6 +556,15 @@ def test_vectors_are_the_models(indexed: tuple[Path, str], expected: pa.Table, m
     ids = [table.column("id")[i].as_py() for i in picks]
     vectors = np.stack([table.column("vector")[i].values.to_numpy() for i in picks])
     np.testing.assert_allclose(vectors, model.embed([texts[i] for i in ids]), atol=1e-5)
+
+
+def test_the_python_api_names_a_text_that_is_not_a_string(model: embedctl.Embedder) -> None:
+    with pytest.raises(TypeError, match=r"embed\(\) takes a list of texts; wrap a single text in a list"):
+        model.embed("one text")
+    for bad, kind in ((None, "NoneType"), (1, "int")):
+        with pytest.raises(TypeError, match=rf"texts\[1\] is {kind}, not a string; embed\(\) takes a list of texts"):
+            model.embed_query(["fine", bad])
+    assert model.embed(text for text in ["a", "b"]).shape == (2, 384)  # any iterable of texts
 
 
 @pytest.mark.parametrize("indexed", ["x.lance"], indirect=True)

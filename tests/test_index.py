@@ -559,6 +559,10 @@ def test_an_empty_first_export_with_kept_columns_does_not_block_the_next_runs(tm
     assert not (tmp_path / f"j{out}").exists()
     assert index(engine, full, f"{tmp_path}/j{out}", keep=("title",)).added == 1
 
+    for flag in ("prune", "rebuild"):  # an empty export is refused as it is without --keep, not "not written"
+        with pytest.raises(UserError, match=f"the source holds no rows, so --{flag} has nothing to leave in"):
+            index(engine, tmp_path / "empty.jsonl", f"{tmp_path}/j{out}", keep=("title",), **{flag: True})
+    assert read_output(f"{tmp_path}/j{out}").column("id").to_pylist() == ["a"]
     assert index(engine, tmp_path / "empty.parquet", f"{tmp_path}/p{out}", keep=("title",)).not_written is None
     assert index(engine, full, f"{tmp_path}/p{out}", keep=("title",)).added == 1
     assert read_output(f"{tmp_path}/p{out}").select(["id", "title"]).to_pylist() == [{"id": "a", "title": "A title"}]

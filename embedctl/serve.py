@@ -520,7 +520,8 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     async def model(model: str) -> dict:
         """The served model, by its name or its last path part (what openai's models.retrieve asks for)."""
         if model not in service.names:
-            raise ApiError(404, f"no model {model!r} here; this server serves {service.name!r} (see GET /v1/models)")
+            raise ApiError(404, f"no model {model!r} here; this server serves {service.name!r} (see GET /v1/models)",
+                           openai_code="model_not_found")
         return described()
 
     routes: dict[str, tuple[type[BaseModel], Handler]] = {

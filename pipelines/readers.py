@@ -470,9 +470,13 @@ def _promotes_to(kind: pa.DataType, known: pa.DataType) -> bool:
         return False
 
 
+def _line_span(lines: list[int]) -> str:
+    return f"line {lines[0]}" if lines[0] == lines[-1] else f"lines {lines[0]}-{lines[-1]}"
+
+
 def _unfit(f: _File, lines: list[int], name: str, known: pa.DataType, why: str) -> UserError:
     return UserError(
-        f"{f.shown} lines {lines[0]}-{lines[-1]}: --keep key '{name}' does not fit the type {known} that earlier "
+        f"{f.shown} {_line_span(lines)}: --keep key '{name}' does not fit the type {known} that earlier "
         f"lines gave it ({why}); give it one type in every line (3.0, not 3, where others hold 3.5; an object "
         "with every key, null where it has no value)"
     )

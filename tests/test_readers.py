@@ -283,7 +283,7 @@ def test_jsonl_kept_key_seen_only_on_the_last_line_is_kept(tmp_path):
 def test_jsonl_kept_values_the_first_chunks_type_would_change_are_refused(tmp_path, name, values, shown):
     write_jsonl(tmp_path / "a.jsonl", [{"text": f"t{i}", name: value} for i, value in enumerate(values)])
     message = error(path=str(tmp_path / "a.jsonl"), keep=[name], chunk_rows=1)
-    assert message.startswith(f"{tmp_path}/a.jsonl lines 2-2: --keep key '{name}' does not fit {shown}")
+    assert message.startswith(f"{tmp_path}/a.jsonl line 2: --keep key '{name}' does not fit {shown}")
     assert message.endswith("; give it one type in every line (3.0, not 3, where others hold 3.5; an object with "
                             "every key, null where it has no value)")
 
@@ -310,7 +310,7 @@ def test_jsonl_kept_ints_fit_a_parquet_shards_narrower_int_and_text_its_categori
     assert pa.concat_tables(c.kept for c in chunks).to_pydict() == {"n": [1, 2], "lang": ["en", "de"]}
     write_jsonl(tmp_path / "b.jsonl", [{"text": "b", "n": 2**40, "lang": "de"}])
     assert error(path=str(tmp_path), keep=["n", "lang"]).startswith(
-        f"{tmp_path}/b.jsonl lines 1-1: --keep key 'n' does not fit the type int32 that earlier lines gave it "
+        f"{tmp_path}/b.jsonl line 1: --keep key 'n' does not fit the type int32 that earlier lines gave it "
         "(here it is int64)")
 
 
@@ -569,4 +569,4 @@ def test_jsonl_gz_that_is_not_gzip(tmp_path):
 def test_jsonl_kept_key_that_changes_type(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [{"text": "a", "n": 1}, {"text": "b", "n": "two"}])
     message = error(path=str(tmp_path), keep=["n"], chunk_rows=1)
-    assert message.startswith(f"{tmp_path}/a.jsonl lines 2-2: --keep key 'n' does not fit the type int64")
+    assert message.startswith(f"{tmp_path}/a.jsonl line 2: --keep key 'n' does not fit the type int64")

@@ -176,8 +176,9 @@ def test_openai_client_gets_the_vectors_of_embedctl_index(server: Server, client
     api = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
     name = api.models.list().data[0].id
     assert api.models.retrieve(name).id == name
-    with pytest.raises(openai.NotFoundError, match="no model 'text-embedding-3-small' here"):
+    with pytest.raises(openai.NotFoundError, match="no model 'text-embedding-3-small' here") as absent:
         api.models.retrieve("text-embedding-3-small")
+    assert absent.value.code == "model_not_found"
     with pytest.raises(openai.NotFoundError, match="unknown model 'text-embedding-3-small'") as unknown:
         api.embeddings.create(model="text-embedding-3-small", input="x")  # as OpenAI answers an unknown model
     assert unknown.value.code == "model_not_found"

@@ -862,9 +862,8 @@ class _Service:
     def check_in_table(self, encoded: Encoded, name: Callable[[int], str]) -> None:
         """A 422, not a failed batch that would fail other clients' requests with it, for a text holding a
         token that the tokenizer adds past the embedding table (Qwen3-Embedding-4B's <think>)."""
-        if (found := encoded.past_table(self.vocab_size)) is not None:
-            raise ApiError(422, f"{name(found[0])} holds token id {found[1]}, which the tokenizer adds but the model's "
-                                "embedding table lacks; leave that token out of the text")
+        if why := encoded.past_table(self.vocab_size, name):
+            raise ApiError(422, why)
 
     async def scores(self, query: str, texts: Sequence[str], truncate: bool, field: str,
                      from_left: bool = False) -> tuple[np.ndarray, int]:

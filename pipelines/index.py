@@ -435,10 +435,9 @@ def _collected(selection: _Selection, future: Future[Encoded], max_length: int, 
         row = rows[encoded.truncated.index(True)]
         raise UserError(f"{chunk.where(row)}: text is longer than the model's {max_length} "
                         "tokens; shorten it or pass --on-long truncate")
-    if table is not None and (found := encoded.past_table(table)) is not None:
-        row = rows[found[0]]
-        raise UserError(f"{chunk.where(row)}: the text (id {chunk.ids[row]!r}) holds token id {found[1]}, which the "
-                        "tokenizer adds but the model's embedding table lacks; take that token out of it")
+    if table is not None and (why := encoded.past_table(table, lambda i: f"{chunk.where(rows[i])}: the text (id "
+                                                                      f"{chunk.ids[rows[i]]!r})")):
+        raise UserError(why)
     return _Tokenized(chunk, rows, encoded.ids, encoded.truncated, selection.keys)
 
 

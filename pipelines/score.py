@@ -669,9 +669,8 @@ def _vectors(engine: Engine, tokenizer: TextTokenizer, texts: list[str], prompt:
     """L2-normalised vectors on the engine's device, so that dot products are cosines, and their tokens.
     where(i) names text i in an error."""
     encoded = tokenizer.encode([prompt + text for text in texts])
-    if engine.ids_past_table and (found := encoded.past_table(engine.vocab_size)) is not None:
-        raise UserError(f"{where(found[0])} holds token id {found[1]}, which the tokenizer adds but the model's "
-                        "embedding table lacks; take that token out of it")
+    if engine.ids_past_table and (why := encoded.past_table(engine.vocab_size, where)):
+        raise UserError(why)
     vectors = torch.from_numpy(engine.embed(encoded.ids))
     return _unit(vectors.to(engine.device), engine.normalize), sum(len(row) for row in encoded.ids)
 

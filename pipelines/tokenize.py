@@ -90,12 +90,14 @@ class Encoded:
     truncated: list[bool]
     type_ids: list[np.ndarray] | None = None  # int32 token types per pair; None for single texts
 
-    def past_table(self, rows: int) -> tuple[int, int] | None:
-        """(text, token id) of the first text holding an id past an embedding table of `rows` rows (a
-        token the tokenizer adds that the weights never learnt, as Qwen3-Embedding-4B's <think>); None if none."""
+    def past_table(self, rows: int, name: Callable[[int], str]) -> str | None:
+        """Why the first text holding an id past an embedding table of `rows` rows cannot be embedded (a
+        token the tokenizer adds that the weights never learnt, as Qwen3-Embedding-4B's <think>), naming
+        text i by name(i); None when no text holds one."""
         for text, ids in enumerate(self.ids):
             if len(ids) and (largest := int(ids.max())) >= rows:
-                return text, largest
+                return (f"{name(text)} holds token id {largest}, which the tokenizer adds but the model's embedding "
+                        "table lacks; leave that token out of the text")
         return None
 
 

@@ -572,8 +572,9 @@ def _incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
     if CONTENT_KEY not in old.names:
         return f"it has no {CONTENT_KEY} column (it was not made by this version of embedctl)"
     old_meta, new_meta = _embedctl_metadata(old), _embedctl_metadata(new)
-    # The weights first, then the model's other files: another model differs in both, and in dim or pooling.
-    first = ["embedctl.weights_sha256", "embedctl.files_sha256"]
+    # The weights first, then the model's other files, where both record them: another model differs in
+    # both, and in dim or pooling too.
+    first = [key for key in ("embedctl.weights_sha256", "embedctl.files_sha256") if key in old_meta and key in new_meta]
     rank = {key: place for place, key in enumerate(first)}
     for key in sorted(old_meta.keys() | new_meta.keys(), key=lambda key: (rank.get(key, len(first)), key)):
         if key not in old_meta and key.removeprefix("embedctl.") in LATER_SETTINGS:

@@ -592,7 +592,6 @@ class _Service:
         self.tokenizer_processes = tokenizer_processes
         self.name = engine.files.name
         self.names = {self.name, Path(self.name).name}
-        self.vocab_size = int(engine.files.config.get("vocab_size", 0))
         # /tokenize shows whole inputs, as TEI's does; the tokenizer of /embed stops at the max length.
         self.untruncated = copy.deepcopy(tokenizer.tokenizer)
         self.untruncated.no_truncation()
@@ -837,9 +836,9 @@ class _Service:
         for i, ids in enumerate(sequences):
             if not ids:
                 raise _empty(f"{field}[{i}] is an empty token-id list; send at least one token id")
-            if min(ids) < 0 or max(ids) >= self.vocab_size:
+            if min(ids) < 0 or max(ids) >= self.engine.vocab_size:
                 raise ApiError(422, f"{field}[{i}] holds a token id outside the model's vocabulary "
-                                    f"0..{self.vocab_size - 1}; send ids from this model's tokenizer")
+                                    f"0..{self.engine.vocab_size - 1}; send ids from this model's tokenizer")
 
     def check_count(self, count: int, field: str) -> None:
         if count == 0:
@@ -862,7 +861,7 @@ class _Service:
     def check_in_table(self, encoded: Encoded, name: Callable[[int], str]) -> None:
         """A 422, not a failed batch that would fail other clients' requests with it, for a text holding a
         token that the tokenizer adds past the embedding table (Qwen3-Embedding-4B's <think>)."""
-        if why := encoded.past_table(self.vocab_size, name):
+        if why := encoded.past_table(self.engine.vocab_size, name):
             raise ApiError(422, why)
 
     async def scores(self, query: str, texts: Sequence[str], truncate: bool, field: str,

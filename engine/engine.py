@@ -57,7 +57,7 @@ class Engine:
         # step() gives float32 always (an int8 model's values are whole numbers, exact in float32);
         # embed() and the writers give vector_dtype.
         self.vector_dtype = spec.vector_dtype
-        self.vocab_size = int(spec.files.config["vocab_size"])
+        self.vocab_size = spec.vocab_size
         self.ids_past_table = spec.ids_past_table  # step() then checks each batch's ids
         self.max_batch_tokens = config.batch_tokens(device, self.max_length)  # spec checked a user's budget
         self.attention = choose_backend(config.attention, device, model.head_dim)

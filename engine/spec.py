@@ -99,6 +99,11 @@ class ModelSpec:
                    files.quantization, False, ids_past_table)
 
     @property
+    def vocab_size(self) -> int:
+        """The rows of the model's embedding table."""
+        return int(self.files.config["vocab_size"])
+
+    @property
     def vector_dtype(self) -> str:
         """What results hold: int8 for an int8 model (its float32 values are whole numbers), else float32."""
         return "int8" if self.quantization == "int8" else "float32"

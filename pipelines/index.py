@@ -403,7 +403,7 @@ def _tokenize(selections: Iterator[_Selection], model: IndexModel, options: Inde
     if first is None:
         return
     tokenizer = model.tokenizer  # loaded here, at the first row to embed
-    table = model.spec.files.config["vocab_size"] if model.spec.ids_past_table else None
+    table = model.spec.vocab_size if model.spec.ids_past_table else None
     processes = options.tokenizer_processes
     if processes is None:
         processes = default_processes(model.on_gpu(), total_rows)

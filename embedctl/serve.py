@@ -8,7 +8,8 @@
                          (/invocations is SageMaker's path for it)
     POST /tokenize /decode   TEI's: the tokens of texts, the texts of token ids
     GET  /info           TEI's description of the model and the server's limits
-    GET  /health /ping   200 once warmed up, else 503 in TEI's error shape (/ping is SageMaker's health check)
+    GET  /health /ping / 200 once warmed up, else 503 in TEI's error shape (/ping is SageMaker's health check,
+                         GET / TEI's too)
     GET  /metrics /v1/models /v1/models/{id} /docs
 
 The app uvicorn runs is _Front, a plain ASGI callable: it checks the API key and the body size,
@@ -50,6 +51,7 @@ import asyncio
 import base64
 import bisect
 import copy
+import difflib
 import functools
 import importlib.metadata
 import logging
@@ -105,9 +107,18 @@ TOKENIZER_THREADS = min(8, os.cpu_count() or 1)
 # none under half this many texts, so that its texts are tokenized side by side.
 WORKER_TEXTS = 16
 HEALTH_PATHS = ("/health", "/ping")  # /ping: SageMaker's health check, which TEI answers too
-OPEN_PATHS = HEALTH_PATHS  # health checks (load balancers, SageMaker) send no key
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/openapi.json")
+# Answered without a key: health checks (load balancers, SageMaker) send none, and a browser opening /docs sends
+# none either (its Authorize button then takes the key for the requests tried from the page). GET / is TEI's
+# health check too, and the default probe of some load balancers; POST / is the model's task and needs the key.
+OPEN_PATHS = frozenset({*HEALTH_PATHS, *DOCS_PATHS})
+OPEN_GETS = frozenset({*OPEN_PATHS, "/"})
 EMBEDDINGS_PATHS = ("/v1/embeddings", "/embeddings")  # OpenAI's, and the same without /v1, as TEI serves it
 TASK_PATHS = ("/", "/invocations")  # the model's own task, as TEI routes it; /invocations is SageMaker's
+# How alike (difflib's ratio) an unknown field's name and an endpoint's field must be for the one to be taken
+# for a misspelling of the other: normalise/normalize 0.89, truncation/truncate 0.78, top_k/top_n 0.8, but
+# options and parameters (Hugging Face's Inference API) close to none.
+MISSPELT_CUTOFF = 0.75
 # Routes of TEI's API, which answer errors in its shape and with its statuses; the others answer in OpenAI's.
 TEI_PATHS = frozenset({*TASK_PATHS, *HEALTH_PATHS, "/embed", "/rerank", "/tokenize", "/decode", "/info"})
 ENDPOINTS = (*EMBEDDINGS_PATHS, "/embed", "/rerank", *TASK_PATHS, "/tokenize", "/decode", "/info", *HEALTH_PATHS,
@@ -207,11 +218,33 @@ class ApiError(HTTPException):
         self.openai_code = openai_code
 
 
-# Requests and replies. Fields are strict (no "yes" for true, no "5" for 5) and unknown fields are
-# refused, so a misspelt option is an error instead of being silently ignored.
+# Requests and replies. Fields are strict (no "yes" for true, no "5" for 5). OpenAI's route refuses
+# unknown fields, as OpenAI does; TEI's routes ignore them, as TEI does, but for near-misses of their own.
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class _TeiRequest(BaseModel):
+    """A request to one of TEI's routes. A field the endpoint does not have is ignored, as TEI ignores it
+    (clients of Hugging Face's Inference API send `parameters` and `options`), unless its name is close to one
+    the endpoint has: a misspelt option (normalise, top_k, text) is refused rather than silently not applied."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_near_misses(cls, data: Any) -> Any:
+        # Before the fields are checked, so that a misspelt required field (OpenAI's `input` on /embed) is named.
+        # TEI's fields of its other endpoints (add_special_tokens on /decode) are TEI's to ignore, not typos.
+        if isinstance(data, dict):
+            for name in data:
+                if name in cls.model_fields or name in TEI_FIELDS:
+                    continue
+                close = difflib.get_close_matches(name, cls.model_fields, n=1, cutoff=MISSPELT_CUTOFF)
+                if close:
+                    raise ValueError(f"{name}: is not a field of this endpoint; did you mean {close[0]}?")
+        return data
 
 
 class EmbeddingsRequest(_Strict):
@@ -229,7 +262,7 @@ class EmbeddingsRequest(_Strict):
         return _texts_or_token_ids(value)
 
 
-class _Prompted(_Strict):
+class _Prompted(_TeiRequest):
     """TEI's prompt option: /embed's and /tokenize's."""
 
     prompt_name: str | None = Field(default=None, description="A prompt of the model's sentence-transformers "
@@ -266,7 +299,7 @@ class TokenizeRequest(_Prompted):
         raise ValueError(f"must be a string or a list of strings{hint}")
 
 
-class DecodeRequest(_Strict):
+class DecodeRequest(_TeiRequest):
     ids: Union[list[int], list[list[int]]] = Field(description="One token-id list, or a list of them")
     skip_special_tokens: bool = True
 
@@ -278,7 +311,7 @@ class DecodeRequest(_Strict):
         raise ValueError("must be a list of token ids or a list of token-id lists")
 
 
-class RerankRequest(_Strict):
+class RerankRequest(_TeiRequest):
     query: str
     texts: list[str] | None = Field(default=None, description="Documents; the reply is TEI's list of {index, score}")
     documents: list[str] | None = Field(default=None, description="Documents; the reply is Cohere's {results: [...]}")
@@ -295,6 +328,10 @@ class RerankRequest(_Strict):
         if (self.texts is None) == (self.documents is None):
             raise ValueError("send the documents as either `texts` or `documents`, exactly one of them")
         return self
+
+
+TEI_FIELDS = frozenset().union(*(model.model_fields for model in (EmbedRequest, TokenizeRequest, DecodeRequest,
+                                                                    RerankRequest)))
 
 
 class Embedding(BaseModel):
@@ -370,7 +407,7 @@ class Info(BaseModel):
 
 
 class Health(BaseModel):
-    """GET /health's and /ping's reply once the model is warmed up."""
+    """GET /health's, /ping's and /'s reply once the model is warmed up."""
 
     status: Literal["ok"] = "ok"
 
@@ -448,7 +485,8 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
 
     # redirect_slashes off: POST /embed/ got a bodiless 307 that clients do not follow; now a JSON 404.
     app = FastAPI(title="embedctl", version=VERSION, lifespan=lifespan, redirect_slashes=False,
-                  description=f"Embeddings and ranking with {engine.files.name}.")
+                  # not the model's name, which may be a local path: /docs needs no key (GET /info names it)
+                  description="Embeddings and ranking with one model (GET /info names it).")
     app.add_exception_handler(HTTPException, _http_error)
     inference_errors = _error_responses(TeiError, 400, 401, 404, 413, 415, 422, 424, 429, 500, 503)
     tokenizer_errors = _error_responses(TeiError, 400, 401, 413, 415, 422, 500)
@@ -498,8 +536,8 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
             raise ApiError(503, f"the model is warming up; retry after {RETRY_AFTER_SECONDS} s", headers=RETRY_AFTER)
         return Health()
 
-    for path in HEALTH_PATHS:
-        app.add_api_route(path, health, methods=["GET"], response_model=Health,
+    for path in (*HEALTH_PATHS, "/"):
+        app.add_api_route(path, health, methods=["GET"], response_model=Health, include_in_schema=path != "/",
                           responses={**_error_responses(TeiError), 503: {"model": TeiError, "description": NOT_READY}})
         # load balancers and uptime checks often probe with HEAD
         app.add_api_route(path, health, methods=["HEAD"], include_in_schema=False)
@@ -1034,6 +1072,9 @@ def _invalid(error: ValidationError) -> ApiError:
     for problem in problems[:3]:
         where = ".".join(str(part) for part in problem["loc"]) or "body"
         message = problem["msg"].removeprefix("Value error, ")
+        if where == "body" and problem["type"] == "value_error":  # a check of the whole request, which names its fields
+            parts.append(message)
+            continue
         if problem["type"] == "extra_forbidden":
             message = "is not a field of this endpoint; see /docs for the ones it reads"
         elif where == "body" and problem["type"] in BODY_PROBLEMS:
@@ -1060,8 +1101,8 @@ class _Front:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":  # lifespan
-            await self.api(scope, receive, send)
+        if scope["type"] != "http":
+            await self._lifespan(scope, receive, send)
             return
         started = time.perf_counter()
         path = scope["path"]
@@ -1083,6 +1124,30 @@ class _Front:
                 await self.api(scope, receive, send_status)
         finally:
             self.metrics.observe_request(path, status, time.perf_counter() - started)
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """FastAPI's lifespan, but for a forced quit (a second Ctrl-C), which cancels it while it waits for the
+        shutdown message: serve() closes the service itself then, and starlette's report of the cancellation
+        as a failed shutdown, which uvicorn logged as an ERROR with a traceback, is dropped."""
+        cancelled = False
+
+        async def receive_until_cancelled() -> Message:
+            nonlocal cancelled
+            try:
+                return await receive()
+            except asyncio.CancelledError:
+                cancelled = True
+                raise
+
+        async def send_until_cancelled(message: Message) -> None:
+            if not cancelled:
+                await send(message)
+
+        try:
+            await self.api(scope, receive_until_cancelled, send_until_cancelled)
+        except asyncio.CancelledError:
+            if not cancelled:
+                raise
 
     async def _serve(self, path: str, model: type[BaseModel], handler: Handler, receive: Receive, send: Send) -> int:
         try:
@@ -1123,7 +1188,7 @@ class _Front:
         """What refuses the request before its body is read: a missing or wrong key, a too-large
         Content-Length, a POST whose declared Content-Type is not JSON."""
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(
+        if self.api_key is not None and not _open(scope) and not self._authorized(
                 headers.get(b"authorization", b"")):
             return ApiError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
                             {"WWW-Authenticate": "Bearer"})
@@ -1147,6 +1212,12 @@ class _Front:
     def _too_large(self) -> str:
         return (f"the request body is larger than this server's --max-request-bytes {self.max_bytes}; "
                 "send fewer or shorter inputs per request")
+
+
+def _open(scope: Scope) -> bool:
+    """Whether a request is answered without the API key (OPEN_PATHS, OPEN_GETS)."""
+    open_paths = OPEN_GETS if scope["method"] in ("GET", "HEAD") else OPEN_PATHS
+    return scope["path"] in open_paths
 
 
 def _clipped(number: int) -> str:

@@ -279,6 +279,19 @@ def test_hugging_face_client_at_the_root_gets_embed_vectors_and_reads_errors(ser
     assert refused.value.server_message == "inputs[0] is blank; send text with at least one non-space character"
 
 
+def test_tei_routes_ignore_fields_they_do_not_have_as_tei_does(client: httpx.Client, texts, indexed) -> None:
+    # Clients of Hugging Face's Inference API send `options` and `parameters` beside `inputs`; TEI ignores them.
+    inference_api = {"options": {"wait_for_model": True, "use_cache": False}, "parameters": {}}
+    reply = client.post("/embed", json={"inputs": texts[:2], **inference_api})
+    assert reply.status_code == 200, reply.text
+    np.testing.assert_allclose(reply.json(), indexed[0][:2], atol=1e-5)
+    ranked = client.post("/rerank", json={"query": texts[1], "texts": texts[:3], "top_n": 1, **inference_api})
+    assert ranked.status_code == 200 and ranked.json()[0]["index"] == 1, ranked.text
+    # a field of another TEI endpoint is no misspelling of this one's (add_special_tokens, skip_special_tokens)
+    decoded = client.post("/decode", json={"ids": [101, 7592, 102], "add_special_tokens": False})
+    assert decoded.status_code == 200 and decoded.json() == ["hello"], decoded.text
+
+
 def test_sagemaker_invocations_and_openai_embeddings_without_v1_answer_as_their_routes(
         server: Server, client: httpx.Client, texts, indexed, minilm_dir: Path) -> None:
     vectors, n_tokens = indexed
@@ -338,9 +351,11 @@ def test_decode_gives_the_text_of_token_ids(client: httpx.Client) -> None:
 
 
 def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, minilm_dir: Path) -> None:
-    for path in ("/health", "/ping"):  # /ping: SageMaker's health check; neither needs a key
+    for path in ("/health", "/ping", "/"):  # /ping: SageMaker's health check, GET /: TEI's; none needs a key
         assert httpx.get(server.url + path).json() == {"status": "ok"}
         assert httpx.head(server.url + path).status_code == 200
+    for path in ("/docs", "/openapi.json"):  # a browser sends no key; Swagger's Authorize button takes it for the rest
+        assert httpx.get(server.url + path).status_code == 200
     assert [model["id"] for model in client.get("/v1/models").json()["data"]] == [str(minilm_dir)]
     text = client.get("/metrics").text
     for family in ("embedctl_requests_total", "embedctl_request_duration_seconds_bucket", "embedctl_queue_depth",
@@ -412,7 +427,13 @@ ERRORS = [
     ("token ids to /tokenize", "/tokenize", {"inputs": [101, 102]}, KEY, 422, "Validation", "token ids go to POST /decode"),
     ("texts to /decode", "/decode", {"ids": ["hello"]}, KEY, 422, "Validation", "ids: must be a list of token ids"),
     ("wrong flag type", "/embed", {"inputs": "x", "normalize": "yes"}, KEY, 422, "Validation", "normalize"),
-    ("misspelt field", "/embed", {"inputs": "x", "normalise": False}, KEY, 422, "Validation", "normalise: is not a field"),
+    ("misspelt field", "/embed", {"inputs": "x", "normalise": False}, KEY, 422, "Validation",
+     "normalise: is not a field of this endpoint; did you mean normalize?"),
+    ("misspelt rerank field", "/rerank", {"query": "q", "texts": ["a"], "top_k": 1}, KEY, 422, "Validation",
+     "top_k: is not a field of this endpoint; did you mean top_n?"),
+    ("unknown field for OpenAI", "/v1/embeddings", {"input": "x", "options": {}}, KEY, 400, "invalid_request_error",
+     "options: is not a field of this endpoint"),
+    ("no key on the root's task", "/", {"inputs": "x"}, None, 401, "Validation", "Authorization: Bearer"),
     ("missing field", "/rerank", {"texts": ["a"]}, KEY, 422, "Validation", "query"),
     ("empty input", "/v1/embeddings", {"input": []}, KEY, 400, "invalid_request_error", "input is empty"),
     ("empty inputs", "/embed", {"inputs": []}, KEY, 400, "Empty", "inputs is empty"),
@@ -462,14 +483,16 @@ ERRORS = [
     ("blank text to /invocations", "/invocations", {"inputs": " "}, KEY, 400, "Empty", "inputs[0] is blank"),
     ("no key on /invocations", "/invocations", {"inputs": "x"}, None, 401, "Validation", "Authorization: Bearer"),
     ("rerank body to /invocations", "/invocations", {"query": "q", "texts": ["a"]}, KEY, 422, "Validation",
-     "query: is not a field"),
+     "inputs: Field required"),
+    ("OpenAI's field on TEI's route", "/embed", {"input": "x"}, KEY, 422, "Validation",
+     "input: is not a field of this endpoint; did you mean inputs?"),
     ("no key on /embeddings", "/embeddings", {"input": "x"}, None, 401, "authentication_error",
      "Authorization: Bearer"),
     ("too many dimensions on /embeddings", "/embeddings", {"input": "x", "dimensions": 385}, KEY, 400,
      "invalid_request_error", "at most 384"),
     ("wrong method for /ping", "/ping", {}, KEY, 405, "Validation", "does not take that method"),
     # an embedding model's POST / is /embed, which has no query
-    ("rerank body to the root", "/", {"query": "q", "texts": ["a"]}, KEY, 422, "Validation", "query: is not a field"),
+    ("rerank body to the root", "/", {"query": "q", "texts": ["a"]}, KEY, 422, "Validation", "inputs: Field required"),
     ("no such endpoint", "/v2/embeddings", {"input": "x"}, KEY, 404, "not_found_error", "no such endpoint"),
     ("wrong method", "/embed", None, KEY, 405, "Validation", "does not take that method"),
     ("wrong method for OpenAI", "/v1/embeddings", None, KEY, 405, "invalid_request_error", "does not take that method"),
@@ -679,7 +702,9 @@ def test_a_second_ctrl_c_quits_at_once_and_cleanly(minilm_dir: Path, tmp_path: P
             assert server.process.wait(30) == 0
             reply = raw.recv(1 << 16).decode()
         assert reply.startswith("HTTP/1.1 503") and "the server is shutting down" in reply
-        assert "terminate called" not in server.log.read_text()
+        log = server.log.read_text()
+        # not "terminate called" (the abort), nor the forced quit's cancelled lifespan logged as a failed shutdown
+        assert "terminate called" not in log and "Traceback" not in log and "ERROR" not in log, log
     finally:
         stop(server)
 

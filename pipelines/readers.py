@@ -12,6 +12,7 @@ It is not a tokenizer (texts come out as they are, None for null) and it does no
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import json
 import math
 import posixpath
@@ -28,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine.errors import UserError, short_reason
+from pipelines.progress import plural
 
 _PARQUET = ".parquet"
 _SUFFIXES = (_PARQUET, ".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")  # compared in lower case
@@ -78,11 +80,16 @@ class CorpusReader:
         self.files: list[str] = [f.shown for f in self._files]
         # Every chunk's kept table gets one schema so the writer can fix its schema from the first.
         self._kept_schema: pa.Schema | None = None
+        self._kept_origins: dict[str, str] = {}  # kept column -> the Parquet file that gave it its type
         parquet = [f for f in self._files if _is_parquet(f.path)]
         for f in parquet:
             kept = self._check_parquet(f)
             if self.keep:
-                self._kept_schema = _unify(f, self._kept_schema, kept)
+                unified = _unify(f, self._kept_schema, kept)
+                for field in unified:
+                    if self._kept_schema is None or self._kept_schema.field(field.name).type != field.type:
+                        self._kept_origins[field.name] = f.shown
+                self._kept_schema = unified
         if self.keep:
             for f in self._files:
                 if not _is_parquet(f.path):
@@ -318,14 +325,14 @@ class CorpusReader:
                 column = pa.array(values)
             except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:  # mixed types, or an int past int64
                 if known is not None:
-                    raise _unfit(f, lines, name, known, short_reason(e)) from None
+                    raise _unfit(f, lines, name, known, short_reason(e), self._kept_origins.get(name)) from None
                 column = pa.array([_as_text(v) for v in values], pa.string())
             if known is None:
                 columns[name] = column.cast(pa.string()) if pa.types.is_null(column.type) else column
             elif (fitted := _fitted(column, known)) is not None:
                 columns[name] = fitted
             else:
-                raise _unfit(f, lines, name, known, f"here it is {column.type}")
+                raise _unfit(f, lines, name, known, f"here it is {column.type}", self._kept_origins.get(name))
         table = pa.table(columns)
         self._kept_schema = self._kept_schema or table.schema
         return table
@@ -353,14 +360,23 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
     except OSError as e:
         raise UserError(f"cannot list {path} ({short_reason(e)}); check the path and its permissions") from None
     base_root = fsspec.core.url_to_fs(base or ".")[1].rstrip("/") + "/"
-    files = []
+    spelled = path[len(base):].split("/") if _GLOB.search(path) else []  # the glob's own parts after its base
+    files, left_out = [], 0
     for p in sorted(set(found)):
         rel = p[len(base_root):] if p.startswith(base_root) else posixpath.basename(p)
-        # Hidden and underscore paths hold temporary or side files (a writer's unfinished parts).
-        if _is_corpus_file(p) and not any(part.startswith((".", "_")) for part in rel.split("/")):
+        if not _is_corpus_file(p):
+            continue
+        # Hidden and underscore paths hold temporary or side files (a writer's unfinished parts, Spark's
+        # _SUCCESS), as pyarrow's datasets take them; unless a part of the glob spells one so itself (_*.jsonl).
+        if any(part.startswith((".", "_")) and not any(glob[:1] == part[0] and fnmatch.fnmatchcase(part, glob)
+                                                       for glob in spelled) for part in rel.split("/")):
+            left_out += 1
+        else:
             files.append(_File(p, base + rel, rel))
     if not files:
-        raise UserError(f"{path} holds no {_SUFFIX_LIST} files; check the path")
+        hidden = (f" but {plural(left_out, 'file')} under a name that starts with . or _, which are left out as "
+                  "temporary or side files; rename them, or name them in a glob (_*.jsonl)") if left_out else ""
+        raise UserError(f"{path} holds no {_SUFFIX_LIST} files{hidden}; check the path")
     return fs, files
 
 
@@ -474,12 +490,15 @@ def _line_span(lines: list[int]) -> str:
     return f"line {lines[0]}" if lines[0] == lines[-1] else f"lines {lines[0]}-{lines[-1]}"
 
 
-def _unfit(f: _File, lines: list[int], name: str, known: pa.DataType, why: str) -> UserError:
-    return UserError(
-        f"{f.shown} {_line_span(lines)}: --keep key '{name}' does not fit the type {known} that earlier "
-        f"lines gave it ({why}); give it one type in every line (3.0, not 3, where others hold 3.5; an object "
-        "with every key, null where it has no value)"
-    )
+def _unfit(f: _File, lines: list[int], name: str, known: pa.DataType, why: str, origin: str | None) -> UserError:
+    """A JSONL --keep value that the key's type cannot hold: the type of origin (a Parquet file) or, for
+    None, of the first lines."""
+    where = f"{f.shown} {_line_span(lines)}: --keep key '{name}' does not fit the type {known}"
+    if origin is not None:
+        return UserError(f"{where} it has in {origin} ({why}); give it that type in every file, or leave it out "
+                         "of --keep")
+    return UserError(f"{where} that earlier lines gave it ({why}); give it one type in every line (3.0, not 3, "
+                     "where others hold 3.5; an object with every key, null where it has no value)")
 
 
 def _walk(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:

@@ -60,6 +60,20 @@ def test_directory_is_walked_recursively_in_sorted_order(tmp_path):
     assert [c.source for c in chunks] == reader.files
 
 
+def test_a_glob_that_spells_an_underscore_or_dot_takes_those_files_and_a_folder_of_only_them_says_why(tmp_path):
+    write_jsonl(tmp_path / "d" / "_under.jsonl", [{"text": "u"}])
+    write_jsonl(tmp_path / "d" / ".dot.jsonl", [{"text": "d"}])
+    write_jsonl(tmp_path / "d" / "_side" / "x.jsonl", [{"text": "s"}])
+    assert CorpusReader(f"{tmp_path}/d/_*.jsonl").files == [f"{tmp_path}/d/_under.jsonl"]
+    assert CorpusReader(f"{tmp_path}/d/.*.jsonl").files == [f"{tmp_path}/d/.dot.jsonl"]
+    assert CorpusReader(f"{tmp_path}/d/_side/*.jsonl").files == [f"{tmp_path}/d/_side/x.jsonl"]
+    assert CorpusReader(f"{tmp_path}/d/**/_*.jsonl").files == [f"{tmp_path}/d/_under.jsonl"]  # not _side: not _*.jsonl
+    for path in (f"{tmp_path}/d", f"{tmp_path}/d/*"):  # not spelled: left out, and the error says so
+        with pytest.raises(UserError, match=r"holds no .* files but 3 files under a name that starts with \. or _, "
+                                            r"which are left out as temporary or side files; rename them"):
+            CorpusReader(path)
+
+
 def test_relative_paths_are_shown_as_the_user_wrote_them(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "corpus" / "a.jsonl", [{"text": "x"}])
     monkeypatch.chdir(tmp_path)
@@ -309,9 +323,17 @@ def test_jsonl_kept_ints_fit_a_parquet_shards_narrower_int_and_text_its_categori
     chunks = list(CorpusReader(str(tmp_path), keep=["n", "lang"]))
     assert pa.concat_tables(c.kept for c in chunks).to_pydict() == {"n": [1, 2], "lang": ["en", "de"]}
     write_jsonl(tmp_path / "b.jsonl", [{"text": "b", "n": 2**40, "lang": "de"}])
-    assert error(path=str(tmp_path), keep=["n", "lang"]).startswith(
-        f"{tmp_path}/b.jsonl line 1: --keep key 'n' does not fit the type int32 that earlier lines gave it "
-        "(here it is int64)")
+    assert error(path=str(tmp_path), keep=["n", "lang"]) == (
+        f"{tmp_path}/b.jsonl line 1: --keep key 'n' does not fit the type int32 it has in {tmp_path}/a.parquet "
+        "(here it is int64); give it that type in every file, or leave it out of --keep")
+
+
+def test_a_jsonl_value_that_does_not_fit_names_the_parquet_file_that_typed_its_column(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"text": ["a"], "n": pa.array([1], pa.int32()), "m": pa.array([1], pa.int8())})
+    write_parquet(tmp_path / "b.parquet", {"text": ["b"], "n": pa.array([2.5]), "m": pa.array([2], pa.int8())})
+    write_jsonl(tmp_path / "c.jsonl", [{"text": "c", "n": "three", "m": 3}])
+    assert error(path=str(tmp_path), keep=["m", "n"]).startswith(
+        f"{tmp_path}/c.jsonl line 1: --keep key 'n' does not fit the type double it has in {tmp_path}/b.parquet")
 
 
 def test_parquet_kept_types_are_unified_across_files(tmp_path):

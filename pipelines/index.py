@@ -267,8 +267,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
                            options.commit_rows)
         source: dict[str, str] = {}  # id -> content key of every row a fresh build would write
         emptied: set[str] = set()  # ids of the output that the source lists with an empty text
-        selections = _select(_chain(first, chunks), options, report, _ContentKeys(settings), store.existing, source,
-                             emptied)
+        selections = _select(_chain(first, chunks), options, report, _ContentKeys(settings), store, source, emptied)
         tokenized = flow.stage(_tokenize(selections, model, options, reader.total_rows))
         if progress is not None:
             progress(0, 0, reader.total_rows)
@@ -347,25 +346,28 @@ class _ContentKeys:
 
 
 def _select(chunks: Iterator[Chunk], options: IndexOptions, report: IndexReport, keys: _ContentKeys,
-            existing: dict[str, str], source: dict[str, str], emptied: set[str]) -> Iterator[_Selection]:
+            store: VectorStore, source: dict[str, str], emptied: set[str]) -> Iterator[_Selection]:
     """The rows of each chunk the output lacks or holds under another key; note every wanted row in source,
-    and in emptied the existing ids whose text is empty."""
+    and in emptied the existing ids whose text is empty. A row that takes the place of one in the output
+    counts as updated, also when a rebuild replaces the output."""
+    existing = store.existing
+    blank: set[str] = set()  # the ids whose first row has an empty text
     for chunk in chunks:
         report.rows_read += len(chunk.ids)
         kept = _kept_rows(chunk.kept) if chunk.kept is not None else None
         rows, row_keys = [], []
         for row in range(len(chunk.ids)):
-            if not _wanted(chunk, row, options, report, source):
-                if chunk.ids[row] in existing and _empty(chunk.texts[row]):
-                    emptied.add(chunk.ids[row])
-                continue
             row_id = chunk.ids[row]
+            if not _wanted(chunk, row, options, report, source, blank):
+                if row_id in blank and row_id in existing:
+                    emptied.add(row_id)
+                continue
             key = source[row_id] = keys.of(chunk.texts[row], kept[row] if kept is not None else None)
             stored = existing.get(row_id)
             if stored == key:
                 report.unchanged += 1
                 continue
-            if stored is None:
+            if stored is None and row_id not in store.replaced:
                 report.added += 1
             else:
                 report.updated += 1
@@ -441,20 +443,23 @@ def _collected(selection: _Selection, future: Future[Encoded], max_length: int, 
     return _Tokenized(chunk, rows, encoded.ids, encoded.truncated, selection.keys)
 
 
-def _wanted(chunk: Chunk, row: int, options: IndexOptions, report: IndexReport, seen: dict[str, str]) -> bool:
-    """Whether a row belongs in the output (seen: the rows that do so far): False (counted) for an empty text
-    or a repeated id when skipping."""
+def _wanted(chunk: Chunk, row: int, options: IndexOptions, report: IndexReport, seen: dict[str, str],
+            blank: set[str]) -> bool:
+    """Whether a row belongs in the output (seen: the ids that do so far; blank: those whose first row has an
+    empty text): False (counted) for a repeated id when skipping, the first row of an id deciding even when
+    its text is empty, and for an empty text, whose id then joins blank."""
     row_id, text = chunk.ids[row], chunk.texts[row]
-    if _empty(text):
-        if options.on_empty == "error":
-            raise UserError(f"{chunk.where(row)}: empty text (id {row_id!r}); remove the row or pass --on-empty skip")
-        report.skipped_empty += 1
-        return False
-    if row_id in seen:
+    if row_id in seen or row_id in blank:
         if options.on_duplicate == "error":
             raise UserError(f"{chunk.where(row)}: duplicate id {row_id!r}; "
                             "make ids unique or pass --on-duplicate skip to keep the first")
         report.skipped_duplicate += 1
+        return False
+    if _empty(text):
+        if options.on_empty == "error":
+            raise UserError(f"{chunk.where(row)}: empty text (id {row_id!r}); remove the row or pass --on-empty skip")
+        report.skipped_empty += 1
+        blank.add(row_id)
         return False
     return True
 

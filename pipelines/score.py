@@ -370,13 +370,13 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
         for chunk in docs:
             rows = []
             for row, (doc_id, text) in enumerate(zip(chunk.ids, chunk.texts)):
+                if doc_id in seen:  # blank rows' ids included: which of two rows is meant is unclear either way
+                    raise UserError(f"{chunk.where(row)}: duplicate document id {doc_id!r}; make document ids unique")
+                seen.add(doc_id)
                 if _blank(text):
                     skipped += 1
                     continue
-                if doc_id in seen:
-                    raise UserError(f"{chunk.where(row)}: duplicate document id {doc_id!r}; make document ids unique")
                 _check_id(chunk, row, options.format)
-                seen.add(doc_id)
                 doc_ids.append(doc_id)
                 rows.append(row)
             if rows:
@@ -539,7 +539,8 @@ def document_texts(inputs: Inputs, wanted: set[str]) -> dict[str, str]:
         return inputs.table.texts(wanted)
     texts = {}
     for chunk in inputs.docs:
-        # A blank row was skipped by rank(), so one that shares a ranked document's id must not replace its text.
+        # With --index, rank() read the table and not DOCS, whose ids it never checked: a blank row that shares
+        # a ranked document's id must not replace its text.
         texts.update((doc_id, text) for doc_id, text in zip(chunk.ids, chunk.texts)
                      if doc_id in wanted and not _blank(text))
     missing = wanted - texts.keys()

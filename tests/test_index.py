@@ -173,6 +173,28 @@ def test_duplicates_skipped_on_request_keep_the_first(tmp_path: Path, engine: En
     assert report.skipped_duplicate == 1
 
 
+@pytest.mark.parametrize("first_blank", [True, False])
+def test_an_id_repeated_with_a_blank_text_is_a_duplicate_and_its_first_row_decides(
+        tmp_path: Path, engine: Engine, reference: embedctl.Embedder, first_blank: bool) -> None:
+    out = f"{tmp_path}/x.parquet"
+    index(engine, write_jsonl(tmp_path / "old.jsonl", [{"id": "a", "text": "stored"}, {"id": "b", "text": "kept"}]),
+          out)
+    copies = [{"id": "a", "text": "  "}, {"id": "a", "text": "again"}]
+    rows = [{"id": "b", "text": "kept"}, *(copies if first_blank else copies[::-1])]
+    source = write_jsonl(tmp_path / "new.jsonl", rows)
+    with pytest.raises(UserError, match="new.jsonl line 3: duplicate id 'a'; .* --on-duplicate skip"):
+        index(engine, source, out)
+    report = index(engine, source, out, on_duplicate="skip")
+    assert (report.skipped_empty, report.skipped_duplicate) == ((1, 1) if first_blank else (0, 1))
+    table = read_output(out)
+    if first_blank:  # the id's text is gone, so is the vector an earlier run stored for it
+        assert table.column("id").to_pylist() == ["b"] and report.deleted == 1
+    else:
+        assert table.column("id").to_pylist() == ["a", "b"] and report.updated == 1
+        np.testing.assert_allclose(table.column("vector")[0].values.to_numpy(), reference.embed(["again"])[0],
+                                   atol=1e-5)
+
+
 def test_the_summary_of_one_row_says_row(tmp_path: Path, engine: Engine) -> None:
     report = index(engine, write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "text": "one"}]), f"{tmp_path}/x.parquet")
     assert report.tokens > 1
@@ -379,7 +401,8 @@ def test_a_rebuild_counts_the_rows_of_the_old_output_it_drops_as_deleted(tmp_pat
     index(engine, old, f"{tmp_path}/{out}")
     fresh = write_jsonl(tmp_path / "fresh.jsonl", [{"id": "kept", "text": "A kept row."}, {"id": "new", "text": "A new row."}])
     report = run_index(IndexModel.loaded(engine), IndexOptions(source=str(fresh), out=f"{tmp_path}/{out}", rebuild=True))
-    assert (report.added, report.deleted) == (2, 1)  # a rebuild embeds every row; only "old" is gone
+    # counted against the output it replaces, as a monitor reads the counts: "kept" replaced, "new" added, "old" gone
+    assert (report.added, report.updated, report.unchanged, report.deleted) == (1, 1, 0, 1)
     assert sorted(read_output(f"{tmp_path}/{out}").column("id").to_pylist()) == ["kept", "new"]
 
 
@@ -540,7 +563,8 @@ def test_kept_map_columns_at_any_depth_are_updated_and_rebuilt(tmp_path: Path, e
     assert (report.added, report.updated, report.unchanged) == (1, 1, 1)
     assert stored() == {i: ([("lang", lang)], {"labels": [[("lang", lang)]]}) for i, lang in
                         [("a", "fr"), ("b", "de"), ("c", "it")]}
-    assert index(engine, export({"a": "One!"}, {"a": "es"}), f"{tmp_path}/{out}", keep=keep, rebuild=True).added == 1
+    rebuilt = index(engine, export({"a": "One!"}, {"a": "es"}), f"{tmp_path}/{out}", keep=keep, rebuild=True)
+    assert (rebuilt.added, rebuilt.updated, rebuilt.deleted) == (0, 1, 2)
     assert stored() == {"a": ([("lang", "es")], {"labels": [[("lang", "es")]]})}
 
 

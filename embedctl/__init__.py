@@ -5,5 +5,6 @@ embedctl.cli; the runtime is the `engine` package and the flows are `pipelines`.
 """
 
 from embedctl.api import Embedder, load
+from engine.errors import UserError
 
-__all__ = ["Embedder", "load"]
+__all__ = ["Embedder", "UserError", "load"]

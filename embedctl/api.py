@@ -10,6 +10,7 @@ It is the engine plus the model's tokenizer; `embedctl index` runs the same piec
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,8 @@ class Embedder:
         return self.engine.dim
 
     def embed(self, texts: Sequence[str], prompt: str | None = None, prompt_name: str | None = None) -> np.ndarray:
-        """float32 [len(texts), dim], in order; texts longer than the max length are truncated.
+        """float32 [len(texts), dim] (int8 for a model whose vectors are int8), in order; texts longer than the max
+        length are truncated. Threads may call it at once (their calls run one after another).
 
         As sentence-transformers' encode(): `prompt`, or the model's prompt named `prompt_name`, or its default
         prompt (default_prompt_name) goes before every text. embed_query and embed_document put the prompt
@@ -40,27 +42,35 @@ class Embedder:
         return self._embed(texts, resolve_prompt(self.engine.files, None, prompt, prompt_name))
 
     def embed_query(self, texts: Sequence[str]) -> np.ndarray:
-        """embed() with the model's query prompt (as sentence-transformers' encode_query)."""
+        """embed() with the prompt `embedctl score` puts before queries: the model's query prompt, else its default
+        prompt (as sentence-transformers' encode_query chose before its 6.x releases)."""
         return self._embed(texts, resolve_prompt(self.engine.files, "query", None, None))
 
     def embed_document(self, texts: Sequence[str]) -> np.ndarray:
-        """embed() with the model's document prompt (as sentence-transformers' encode_document)."""
+        """embed() with the prompt `embedctl index` puts before documents: the model's document (or passage)
+        prompt, else its default prompt (as sentence-transformers' encode_document chose before its 6.x releases)."""
         return self._embed(texts, resolve_prompt(self.engine.files, "document", None, None))
 
     def _embed(self, texts: Sequence[str], prompt: str) -> np.ndarray:
         if isinstance(texts, str):
             raise TypeError("embed() takes a list of texts; wrap a single text in a list")
-        texts = list(texts)
+        if isinstance(texts, (bytes, bytearray)):
+            raise TypeError("embed() takes a list of texts, not bytes; decode them and wrap the text in a list")
+        try:
+            texts = list(texts)
+        except TypeError:
+            raise TypeError(f"embed() takes a list of texts, not {type(texts).__name__}") from None
         if (bad := next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)) is not None:
             raise TypeError(f"texts[{bad}] is {type(texts[bad]).__name__}, not a string; embed() takes a list of texts")
         return self.engine.embed(self.tokenizer.encode([prompt + text for text in texts] if prompt else texts).ids)
 
 
-def load(model: str | None = None, **options: object) -> Embedder:
+def load(model: str | os.PathLike[str] | None = None, **options: object) -> Embedder:
     """Load `model` (a local directory, a hub id, or None for all-MiniLM-L6-v2).
 
     options are EngineConfig fields, e.g. device="cuda", dtype="bf16", dim=256, normalize=False.
+    Bad ones raise embedctl.UserError, whose message names the problem and the fix.
     """
     from engine import Engine
 
-    return Embedder(Engine.load(model, EngineConfig(**options)))
+    return Embedder(Engine.load(None if model is None else os.fspath(model), EngineConfig(**options)))

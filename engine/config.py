@@ -6,6 +6,7 @@ that end before any model loads, such as an up-to-date re-index, start fast.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,19 @@ class EngineConfig:
     lanes: int = 3
 
     def __post_init__(self) -> None:
+        # The Python API passes these as the caller gives them: dim=2.5 or normalize="no" must not load.
+        for name in ("max_batch_tokens", "max_seqs", "dim", "max_length", "pinned_slots", "lanes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise UserError(f"{name} must be a whole number, not {value!r}")
+        for name in ("cuda_graphs", "compile", "warmup", "normalize"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or (value is None and name == "normalize")):
+                raise UserError(f"{name} must be True or False{' or None' if name == 'normalize' else ''}, "
+                                f"not {value!r}")
+        for name in ("device", "dtype", "attention"):
+            if (value := getattr(self, name)) is not None and not isinstance(value, str):
+                raise UserError(f"{name} must be a string, not {value!r}")
         if self.dtype is not None and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:
             raise UserError(f"unknown dtype {self.dtype!r}; use one of bf16, fp16, fp32")
         if self.attention not in ATTENTION_BACKENDS:

@@ -15,6 +15,7 @@ model's prompts are in files.prompts).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -72,6 +73,9 @@ class Engine:
 
             self.pool_kernel = pool_normalize
         self.runner: GraphRunner | None = None
+        # step() takes one thread at a time (its attention plans and lanes are the engine's own); embed()
+        # holds this for its steps, so that threads may call it at once, as a web app's workers do.
+        self._embed_lock = threading.Lock()
         self._flashinfer_workspaces: dict[int, torch.Tensor] = {}  # per lane: batches on several lanes run at once
         if device.type == "cuda":
             self.runner = GraphRunner(self.forward, self._make_attention, self.max_batch_tokens, config.max_seqs,
@@ -171,7 +175,9 @@ class Engine:
 
     def embed(self, sequences: Sequence[Sequence[int]],
               token_type_ids: Sequence[Sequence[int]] | None = None) -> np.ndarray:
-        """Vectors (a cross-encoder: scores) for token-id sequences, [len(sequences), dim] of vector_dtype, in order."""
+        """Vectors (a cross-encoder: scores) for token-id sequences, [len(sequences), dim] of vector_dtype, in order.
+
+        Any thread may call it, several at once: their calls run one after another."""
         packer = Packer(self.max_batch_tokens, self.config.max_seqs)
         pending = []
 
@@ -179,15 +185,16 @@ class Engine:
             self.check_ids(batch.input_ids)
             pending.append(self.step(batch))
 
-        for index, ids in enumerate(sequences):
-            types = token_type_ids[index] if token_type_ids is not None else None
-            if (batch := packer.add(ids, index, types)) is not None:
+        with self._embed_lock:
+            for index, ids in enumerate(sequences):
+                types = token_type_ids[index] if token_type_ids is not None else None
+                if (batch := packer.add(ids, index, types)) is not None:
+                    run(batch)
+            if (batch := packer.flush()) is not None:
                 run(batch)
-        if (batch := packer.flush()) is not None:
-            run(batch)
-        if not pending:
-            return np.zeros((0, self.dim), dtype=self.vector_dtype)
-        return np.concatenate([lazy.result() for lazy in pending]).astype(self.vector_dtype, copy=False)
+            if not pending:
+                return np.zeros((0, self.dim), dtype=self.vector_dtype)
+            return np.concatenate([lazy.result() for lazy in pending]).astype(self.vector_dtype, copy=False)
 
     @property
     def stats(self) -> GraphStats:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -359,6 +360,37 @@ def test_files_digest_follows_what_the_model_computes_not_who_saved_it(random_be
 def test_options_that_cannot_run_together_are_refused_before_any_model_loads(options: dict, message: str) -> None:
     with pytest.raises(UserError, match=message):
         EngineConfig(**options)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"dim": 2.5}, "dim must be a whole number, not 2.5"),  # loaded, then failed in embed() on a slice
+    ({"dim": "256"}, "dim must be a whole number, not '256'"),
+    ({"max_length": True}, "max_length must be a whole number, not True"),
+    ({"normalize": "no"}, "normalize must be True or False or None, not 'no'"),  # was taken as true
+    ({"cuda_graphs": 0}, "cuda_graphs must be True or False, not 0"),
+    ({"device": 0}, "device must be a string, not 0"),
+])
+def test_python_options_of_the_wrong_type_are_refused_at_load(options: dict, message: str) -> None:
+    with pytest.raises(embedctl.UserError, match=message):
+        embedctl.load(**options)
+    assert EngineConfig(dim=np.int64(256)).dim == 256  # numpy's integers are whole numbers too
+
+
+def test_embed_from_threads_at_once_equals_one_call_at_a_time(minilm: embedctl.Embedder) -> None:
+    # A shared attention plan let one thread's batch be cut at another's sequence bounds (max error 0.3-0.5).
+    batches = [TEXTS[i::4] + [text * (i + 1) for text in TEXTS[:3]] for i in range(4)] * 3
+    alone = [minilm.embed(batch) for batch in batches]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(minilm.embed, batches))
+    for one, other in zip(alone, together):
+        np.testing.assert_array_equal(other, one)
+
+
+def test_load_takes_a_path_and_embed_names_what_it_was_given_instead_of_texts(minilm_dir, minilm) -> None:
+    assert embedctl.load(minilm_dir, device="cpu").dim == 384  # a pathlib.Path: 'PosixPath' has no 'strip' before
+    for given, name in ((b"hi", "bytes"), (None, "NoneType"), (5, "int")):
+        with pytest.raises(TypeError, match=f"embed\\(\\) takes a list of texts, not {name}"):
+            minilm.embed(given)
 
 
 def test_a_model_saved_by_sentence_transformers_6_loads_as_it_reads_it(random_bert, tmp_path) -> None:

@@ -67,6 +67,18 @@ def test_graph_replay_equals_eager(minilm_dir, texts) -> None:
     assert no_graphs.engine.stats.captures == 0
 
 
+def test_embed_from_threads_at_once_on_the_gpu_equals_one_call_at_a_time(minilm_dir, texts) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = embedctl.load(str(minilm_dir))
+    batches = [texts[i::4] for i in range(4)] * 3
+    alone = [model.embed(batch) for batch in batches]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(model.embed, batches))
+    for one, other in zip(alone, together):  # eager and replayed runs differ in rounding only
+        assert cosine(other, one).min() >= 0.9999
+
+
 def test_matryoshka_dim_on_the_gpu_equals_the_cpu(minilm_dir, texts) -> None:
     gpu = Engine.load(str(minilm_dir), EngineConfig(dim=100))
     cpu = Engine.load(str(minilm_dir), EngineConfig(device="cpu", dim=100))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,6 +29,12 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
 
 # One torch thread per subprocess: tests run side by side on two cores (see tests/test_cli.py).
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def hears_ctrl_c() -> None:
+    """A Popen preexec_fn for a command a test sends SIGINT: a test run started in the background of a script
+    (`pytest &`) passes SIGINT on as ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_cli(*args: object, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -34,7 +34,8 @@ from typer.main import get_command
 import embedctl
 from embedctl.cli import app
 from engine.checkpoint import files_digest, resolve_model
-from tests.files import ENV, assert_one_error_line, good_rows, read_only, run_cli, snapshot, write_jsonl
+from tests.files import (ENV, assert_one_error_line, good_rows, hears_ctrl_c, read_only, run_cli, snapshot,
+                         write_jsonl)
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "corpus"
 MAX_LENGTH = 256  # all-MiniLM-L6-v2's sentence_bert_config.json
@@ -647,7 +648,8 @@ def test_a_stopped_run_exits_with_its_code_says_so_in_the_report_and_leaves_noth
     before = snapshot(tmp_path)
     process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", "index", "docs.jsonl", "--out", "x.parquet",
                                 "--report", "r.json"],
-                               cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=hears_ctrl_c)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".x.parquet.*.tmp")):  # the writer is open: the run is under way
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
@@ -673,7 +675,8 @@ def test_ctrl_c_into_a_folder_of_parts_named_parquet_says_the_run_resumes(tmp_pa
                                           for i in range(3000)])
     process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", "index", "docs.jsonl", "--out", out,
                                 "--commit-rows", "50", "--report", "r.json"],
-                               cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=hears_ctrl_c)
     deadline = time.monotonic() + 120
     while not list(folder.glob("part-*.parquet")):  # a group is committed
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()

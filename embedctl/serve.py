@@ -404,6 +404,8 @@ class Info(BaseModel):
     auto_truncate: bool = Field(description="Whether an input with truncate: null is cut (as it always is here)")
     tokenization_workers: int = Field(description="Threads and worker processes that tokenize requests")
     version: str
+    sha: str | None = Field(default=None, description="TEI's build commit; always null here")
+    docker_label: str | None = Field(default=None, description="TEI's image label; always null here")
 
 
 class Health(BaseModel):

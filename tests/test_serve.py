@@ -318,7 +318,7 @@ def test_info_describes_the_model_and_the_server_limits(client: httpx.Client, mi
         "max_client_batch_size": LIMITS["max_client_batch"], "auto_truncate": True,
         # the server's tokenizer threads, and the two worker processes the fixture asks for
         "tokenization_workers": min(8, os.cpu_count() or 1) + 2,
-        "version": importlib.metadata.version("embedctl")}
+        "version": importlib.metadata.version("embedctl"), "sha": None, "docker_label": None}
 
 
 def test_tokenize_gives_the_tokens_embed_embeds_with_tei_byte_offsets(client: httpx.Client, texts,

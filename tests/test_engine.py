@@ -535,3 +535,11 @@ def test_the_python_api_puts_prompts_first_as_sentence_transformers_and_the_pipe
                                atol=1e-5)
     np.testing.assert_allclose(ours.embed(texts, prompt=""), reference.encode(texts, prompt=""), atol=1e-5)
     assert not np.allclose(ours.embed(texts), ours.embed(texts, prompt=""), atol=1e-3)
+    # A model whose config names neither: sentence-transformers 6 gives every model the names query and document,
+    # empty unless set, so prompt_name="query" puts nothing first (it used to be refused here).
+    (random_bert / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"topic": "topic: "}}))
+    reference, ours = SentenceTransformer(str(random_bert), device="cpu"), embedctl.load(str(random_bert), device="cpu")
+    for name in ("query", "document"):
+        np.testing.assert_allclose(ours.embed(texts, prompt_name=name), reference.encode(texts, prompt_name=name),
+                                   atol=1e-5)
+        np.testing.assert_allclose(ours.embed(texts, prompt_name=name), ours.embed(texts, prompt=""), atol=1e-6)

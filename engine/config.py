@@ -64,11 +64,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 raise UserError(f"{name} must be a whole number, not {value!r}")
-        for name in ("cuda_graphs", "compile", "warmup", "normalize"):
-            value = getattr(self, name)
-            if not (isinstance(value, bool) or (value is None and name == "normalize")):
-                raise UserError(f"{name} must be True or False{' or None' if name == 'normalize' else ''}, "
-                                f"not {value!r}")
+        for name in ("cuda_graphs", "compile", "warmup"):
+            if not isinstance(value := getattr(self, name), bool):
+                raise UserError(f"{name} must be True or False, not {value!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise UserError(f"normalize must be True or False or None, not {self.normalize!r}")
         for name in ("device", "dtype", "attention"):
             if (value := getattr(self, name)) is not None and not isinstance(value, str):
                 raise UserError(f"{name} must be a string, not {value!r}")

@@ -182,7 +182,8 @@ class Engine:
         pending = []
 
         def run(batch: PackedBatch) -> None:
-            self.check_ids(batch.input_ids)
+            if not self.ids_past_table:  # else step() checks
+                self.check_ids(batch.input_ids)
             pending.append(self.step(batch))
 
         with self._embed_lock:

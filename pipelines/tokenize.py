@@ -685,9 +685,9 @@ def _chosen_prompt(files: ModelFiles, role: str | None, text: str | None, name: 
     if text is not None:
         return text
     if name is not None:
-        if name not in files.prompts and name in ("query", "document"):
-            return ""  # as sentence-transformers 6 gives every model these two names, empty unless its config sets them
         if name not in files.prompts:
+            if name in ("query", "document"):
+                return ""  # as sentence-transformers 6 gives every model these two names, empty unless set
             known = ", ".join(sorted(files.prompts)) or "none"
             raise UserError(f"{files.name} has no prompt named {name!r} (it has: {known}); "
                             "pick one of those or pass the prompt as text")

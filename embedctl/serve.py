@@ -318,7 +318,8 @@ class RerankRequest(_TeiRequest):
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = False
     return_text: bool = Field(default=False, description="TEI's name for return_documents")
-    raw_scores: bool = Field(default=False, description="TEI's field: a cross-encoder's logits instead of their sigmoid")
+    raw_scores: bool = Field(default=False, description="TEI's field: a cross-encoder's logits instead of their "
+                                                         "sigmoid; a bi-encoder's cosines are raw already")
     truncate: bool | None = None
     truncation_direction: Literal["right", "Right", "left", "Left"] = "right"
     model: str | None = None
@@ -709,11 +710,9 @@ class _Service:
         self.check_model(body.model)
         cohere = body.documents is not None
         texts = body.documents if cohere else body.texts
-        if body.raw_scores and self.engine.num_labels:
-            raise ApiError(422, "raw_scores: true is not supported: this server answers with the sigmoid of the "
-                                "cross-encoder's logit; send raw_scores: false")
         field, from_left = "documents" if cohere else "texts", body.truncation_direction.lower() == "left"
-        scores, tokens = await self.scores(body.query, texts, body.truncate is not False, field, from_left)
+        scores, tokens = await self.scores(body.query, texts, body.truncate is not False, field, from_left,
+                                           body.raw_scores)
         order = np.argsort(-scores, kind="stable")[: body.top_n]
         with_text = body.return_documents or body.return_text
         if cohere:
@@ -905,9 +904,9 @@ class _Service:
             raise ApiError(422, why)
 
     async def scores(self, query: str, texts: Sequence[str], truncate: bool, field: str,
-                     from_left: bool = False) -> tuple[np.ndarray, int]:
-        """Relevance of each text to the query, and the tokens it took: cross-encoder scores or cosines. An
-        over-long input loses its end, or with from_left its start."""
+                     from_left: bool = False, raw: bool = False) -> tuple[np.ndarray, int]:
+        """Relevance of each text to the query, and the tokens it took: cross-encoder scores (with raw, its
+        logits) or cosines. An over-long input loses its end, or with from_left its start."""
         if not query or query.isspace():
             raise _empty("query is blank; send text with at least one non-space character")
         self.check_texts(texts, field)
@@ -917,7 +916,7 @@ class _Service:
             if self.engine.ids_past_table:  # named here: every pair holds the query
                 self.check_in_table(self.tokenizer.encode([query]), lambda _: "query")
             rows, tokens = await self.tokenize_and_run([query] * len(texts), check_truncated, texts, encode)
-            return rows[:, 0], tokens
+            return rows[:, 0] if raw else self.engine.activate(rows[:, 0]), tokens
 
         def check_query_then_texts(encoded: Encoded, first: int) -> None:
             if first == 0:  # the query is text 0, so with truncate false a long query is named before any text

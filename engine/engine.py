@@ -5,7 +5,10 @@ The model is a BERT-family encoder (engine.models.bert) or a Qwen3 decoder embed
 with mean pooling and int8 output), chosen by the config's model_type. step(batch) enqueues the
 whole model (embeddings, layers, pooling, normalisation, quantisation) for one PackedBatch and
 returns a LazyTensor at once; for a cross-encoder (a BERT *ForSequenceClassification checkpoint)
-each sequence is a query-document pair and the result is its score instead of a vector. On a GPU it
+each sequence is a query-document pair and the result is its label logits instead of a vector, which
+activate() turns into the model's scores: the activation stays out of the graph so that a caller may
+have the logits themselves (text-embeddings-inference's raw_scores), and the sigmoid of a few numbers
+costs the host nothing. On a GPU it
 runs through lazily captured CUDA graphs (engine.graphs) with readback through a pinned ring
 (engine.lazy), on the CPU eagerly with exact per-sequence attention. The same model code runs on
 both. embed() is the convenience for callers that just want vectors for a list of token-id sequences.
@@ -127,14 +130,14 @@ class Engine:
         else:
             pooled = hidden.float() if self.prune else pool(hidden, seq_ids, cu_seqlens, self.pooling)
             if self.num_labels:
-                logits = self.model.classify(pooled.to(self.dtype)).float()
-                return torch.sigmoid(logits) if self.sigmoid else logits
+                return self.model.classify(pooled.to(self.dtype)).float()
         if self.dense is not None:
             pooled = self.dense(pooled)
         return finish(pooled, self.dim, self.normalize, self.quantization)
 
     def step(self, batch: PackedBatch) -> LazyTensor:
-        """Enqueue one batch; the LazyTensor resolves to float32 [batch.num_seqs, dim] in batch order.
+        """Enqueue one batch; the LazyTensor resolves to float32 [batch.num_seqs, dim] in batch order (a
+        cross-encoder: [batch.num_seqs, num_labels] logits, for activate()).
 
         On a GPU the batch runs on a stream of the engine's own (engine.graphs' lanes), so any thread
         may call it; one thread at a time.
@@ -160,6 +163,13 @@ class Engine:
         inputs_t = torch.from_numpy(inputs)
         self.cpu_attention.plan(AttentionLayout(inputs_t[4 * tokens:], batch.cu_seqlens.tolist(), batch.max_seqlen, tokens))
         return LazyTensor.done(self.forward(inputs_t, tokens, seqs, self.cpu_attention).numpy())
+
+    def activate(self, logits: np.ndarray) -> np.ndarray:
+        """A cross-encoder's scores from the logits step() gives: their sigmoid for a model whose files ask
+        for one (spec.sigmoid: one label, by default), else the logits. A new array."""
+        if not self.sigmoid:
+            return np.array(logits, dtype=np.float32)
+        return torch.sigmoid(torch.as_tensor(logits, dtype=torch.float32)).numpy()
 
     def check_ids(self, ids: np.ndarray) -> None:
         """UserError for a token id outside the embedding table, which on a GPU is a device-side assert
@@ -195,7 +205,8 @@ class Engine:
                 run(batch)
             if not pending:
                 return np.zeros((0, self.dim), dtype=self.vector_dtype)
-            return np.concatenate([lazy.result() for lazy in pending]).astype(self.vector_dtype, copy=False)
+            rows = np.concatenate([lazy.result() for lazy in pending])
+        return (self.activate(rows) if self.num_labels else rows).astype(self.vector_dtype, copy=False)
 
     @property
     def stats(self) -> GraphStats:

@@ -460,7 +460,7 @@ def pair_scores(reranker: Engine, tokenizer: TextTokenizer, firsts: list[str], s
     def take(wait: bool) -> None:
         nonlocal done
         while pending and (wait or (scored is not None and pending[0].ready())):
-            scores.append(pending.popleft().result()[:, 0])
+            scores.append(reranker.activate(pending.popleft().result()[:, 0]))
             done += len(scores[-1])
             if scored is not None:
                 scored(done)

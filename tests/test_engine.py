@@ -102,6 +102,10 @@ def test_cross_encoder_matches_transformers_alone_and_packed(tmp_path, model_cla
     assert packed.shape == (3, num_labels) and engine.settings()["labels"] == str(num_labels)
     np.testing.assert_allclose(packed, expected.numpy(), atol=1e-5)
     np.testing.assert_allclose(packed, alone, atol=1e-6)
+    # step() gives the logits themselves, which activate() turns into the scores embed() gives
+    raw = engine.step(PackedBatch.of(pairs.ids, token_type_ids=pairs.type_ids)).result()
+    np.testing.assert_allclose(raw, logits.numpy(), atol=1e-5)
+    np.testing.assert_allclose(engine.activate(raw), packed, atol=1e-7)
 
 
 def test_cross_encoder_refuses_vector_options(tmp_path) -> None:

@@ -890,9 +890,10 @@ def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path)
     pairs = tokenizer.encode_pairs([query] * len(docs), docs)
     reference = transformers.BertForSequenceClassification.from_pretrained(path).eval()
     with torch.no_grad():
-        expected = np.array([torch.sigmoid(reference(input_ids=torch.from_numpy(ids).long()[None],
-                                                     token_type_ids=torch.from_numpy(types).long()[None]).logits).item()
-                             for ids, types in zip(pairs.ids, pairs.type_ids)])
+        logits = torch.tensor([reference(input_ids=torch.from_numpy(ids).long()[None],
+                                         token_type_ids=torch.from_numpy(types).long()[None]).logits.item()
+                               for ids, types in zip(pairs.ids, pairs.type_ids)])
+    expected = torch.sigmoid(logits).numpy()
     order = np.argsort(-expected, kind="stable")
     config = json.loads((path / "config.json").read_text())
     with serving(create_app(engine, tokenizer)) as url:
@@ -900,6 +901,7 @@ def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path)
         root = httpx.post(url + "/", json={"query": query, "texts": docs}).json()  # TEI's POST / ranks for a reranker
         invoked = httpx.post(url + "/invocations", json={"query": query, "texts": docs}).json()  # so does SageMaker's
         paths = httpx.get(url + "/openapi.json").json()["paths"]
+        raw = httpx.post(url + "/rerank", json={"query": query, "texts": docs, "raw_scores": True}).json()
         cut = httpx.post(url + "/rerank", json={"query": query, "texts": docs, "truncate": False})
         from_left = httpx.post(url + "/rerank", json={"query": query, "texts": docs, "truncation_direction": "Left"}).json()
         vectors = httpx.post(url + "/embed", json={"inputs": "x"})
@@ -908,6 +910,9 @@ def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path)
     assert [hit["index"] for hit in hits] == order.tolist()
     np.testing.assert_allclose([hit["score"] for hit in hits], expected[order], atol=1e-5)
     assert root == invoked == hits
+    # TEI's raw_scores: the logits, in the same order (the sigmoid keeps it)
+    assert [hit["index"] for hit in raw] == order.tolist()
+    np.testing.assert_allclose([hit["score"] for hit in raw], logits.numpy()[order], atol=1e-5)
     for path in ("/", "/invocations"):
         assert paths[path]["post"]["requestBody"] == paths["/rerank"]["post"]["requestBody"]
     assert cut.status_code == 422 and "texts[1] is longer" in refusal(cut)[0]

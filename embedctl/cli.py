@@ -24,7 +24,7 @@ import typer
 from embedctl.progress import progress_bars
 from engine import EngineConfig, ModelSpec, UserError
 from engine.checkpoint import resolve_model
-from pipelines.index import IndexModel, IndexOptions, lock_output, open_corpus, run_index
+from pipelines.index import IndexModel, IndexOptions, IndexReport, lock_output, open_corpus, run_index
 from pipelines.lock import OutputLocked
 from pipelines.readers import glob_base
 from pipelines.writers import commits_in_groups
@@ -172,17 +172,19 @@ def index(
 
         index_model = IndexModel(spec, load_engines, on_gpu=lambda: config.torch_device().type == "cuda")
         keeps_commits = commits_in_groups(out, table)  # what a Ctrl-C leaves: committed groups, or the output as it was
+        so_far = IndexReport(output=out, model=spec.files.name)
         try:
             with lock_output(options):  # taken before the model loads: a refused run returns at once
                 with progress_bars(enabled=not quiet and sys.stderr.isatty()) as bars:
-                    result = run_index(index_model, options, bars("embedding", "rows") if bars else None, corpus)
+                    result = run_index(index_model, options, bars("embedding", "rows") if bars else None, corpus,
+                                       so_far)
         except OutputLocked as error:  # not written to --report: the run that holds the lock owns it
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(EXIT_LOCKED) from None
         except KeyboardInterrupt as stop:  # committed groups stay: they are what the next run resumes from
             after = (f"the same command resumes from the last commit to {out}" if keeps_commits
                      else f"{out} is as it was before this run")
-            _interrupted(stop, after, report)
+            _interrupted(stop, after, report, {"rows_read": so_far.rows_read, "rows_committed": so_far.rows_committed})
         if not quiet:
             typer.echo(result.summary(), err=True)
         if verbose:
@@ -361,9 +363,11 @@ def _guarded(run: Callable[[], None], report: Path | None) -> None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _interrupted(stop: KeyboardInterrupt, after: str, report: Path | None) -> NoReturn:
+def _interrupted(stop: KeyboardInterrupt, after: str, report: Path | None,
+                 progress: dict[str, int] | None = None) -> NoReturn:
     """After Ctrl-C (exit code 130) or SIGTERM (143), once the output is cleaned up: say so, in the
-    report too, so that a monitor does not read the last run's report as this one's.
+    report too, so that a monitor does not read the last run's report as this one's; with progress
+    (index's rows read and committed), how far the run got.
 
     os._exit, not sys.exit: when Ctrl-C lands while an import runs code from a string (the model
     loads mid-run, and dataclasses build their methods so), CPython flags the KeyboardInterrupt as
@@ -376,7 +380,7 @@ def _interrupted(stop: KeyboardInterrupt, after: str, report: Path | None) -> No
     typer.echo(message, err=True)
     if report is not None:
         try:
-            _write_report(report, json.dumps({"error": message}))
+            _write_report(report, json.dumps({"error": message, **(progress or {})}))
         except UserError:
             pass  # the line above is the message that matters
     sys.stdout.flush()

@@ -99,6 +99,7 @@ class IndexReport:
     device: str | None = None  # None: nothing needed embedding, so no engine was loaded
     rows_read: int = 0
     rows_written: int = 0  # embedded: added + updated
+    rows_committed: int = 0  # in the output (a rebuild: in its stage); of a stopped run, what the next run keeps
     added: int = 0
     updated: int = 0
     unchanged: int = 0
@@ -227,8 +228,9 @@ def lock_output(options: IndexOptions) -> AbstractContextManager[None]:
 
 
 def run_index(model: IndexModel, options: IndexOptions, progress: Progress | None = None,
-              corpus: CorpusReader | None = None) -> IndexReport:
-    """Bring options.out up to date with every row of options.source; returns the run's report.
+              corpus: CorpusReader | None = None, report: IndexReport | None = None) -> IndexReport:
+    """Bring options.out up to date with every row of options.source; returns the run's report: `report`
+    when given, filled as the run goes, so that a caller can tell how far a run that raised got.
 
     corpus is open_corpus(options) when the caller has opened it already. On any failure, including
     KeyboardInterrupt, every pipeline thread has stopped; the output holds what it held before plus
@@ -243,7 +245,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
                         "to index; index with a bi-encoder, and rerank with this one through `embedctl score --reranker`")
     options = replace(options, prompt=resolve_prompt(spec.files, "document", options.prompt, options.prompt_name),
                       prompt_name=None)
-    report = IndexReport(output=options.out, model=spec.files.name)
+    report = report if report is not None else IndexReport(output=options.out, model=spec.files.name)
     loaded_before = bool(model.engines)
     started = time.perf_counter()
     flow = _Flow()
@@ -292,7 +294,9 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
         flow.cancel()
         if store is not None:
             store.abort()
+            report.rows_committed = store.committed_rows
         raise
+    report.rows_committed = store.committed_rows
     if progress is not None:
         progress(report.rows_written + report.unchanged + report.skipped, report.tokens, reader.total_rows)
     report.load_seconds = model.load_seconds if model.engines and not loaded_before else 0.0

@@ -72,6 +72,7 @@ def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
 class VectorStore(Protocol):
     existing: dict[str, str]  # id -> content_key of every row committed before this run
     replaced: set[str]  # with rebuild, the ids of the output the replacement takes the place of; else empty
+    committed_rows: int  # rows this run committed, which a run stopped before finish keeps (a rebuild: staged)
 
     def write(self, batch: pa.RecordBatch) -> None: ...
 
@@ -293,6 +294,7 @@ class _LanceStore:
         elif self._table is not None:
             _check_compatible(shown, self._table.schema, schema)
         self._groups = _Groups(schema, commit_rows)
+        self.committed_rows = 0
         self.existing: dict[str, str] = {}
         if self._table is not None:
             stored = self._table.to_lance().to_table(columns=["id", CONTENT_KEY])
@@ -321,6 +323,7 @@ class _LanceStore:
                 self._table.merge_insert("id").when_matched_update_all().when_not_matched_insert_all().execute(group)
             else:  # only new ids: a plain append, with no join against the whole table
                 self._table.add(group)
+        self.committed_rows += group.num_rows
 
     def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset()) -> int:
         replace = self._target != self._name
@@ -377,6 +380,7 @@ class _ParquetDirStore:
                 for row_id, key in zip(stored.column("id").to_pylist(), stored.column(CONTENT_KEY).to_pylist()):
                     self.existing.setdefault(row_id, key)
         self._groups = _Groups(schema, commit_rows)
+        self.committed_rows = 0
 
     def _listing(self, path: str) -> list[str]:
         return self._fs.ls(path, detail=False) if self._fs.isdir(path) else []
@@ -394,6 +398,7 @@ class _ParquetDirStore:
             self._fs.makedirs(self._path, exist_ok=True)
             _replace(self._fs, posixpath.join(self._path, name), group)
         self._next += 1
+        self.committed_rows += group.num_rows
 
     def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset()) -> int:
         replace = self._path != self._root
@@ -438,6 +443,7 @@ class _ParquetFileStore:
         parent, base = posixpath.split(path)
         self._tmp = posixpath.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.tmp")
         self._closed = False
+        self.committed_rows = 0  # the file is written whole at finish
         self.existing: dict[str, str] = {}
         with _io_errors(shown):
             exists = fs.exists(path)
@@ -489,6 +495,7 @@ class _ParquetFileStore:
             self._sink.close()
             self._fs.mv(self._tmp, self._path)
         self._closed = True
+        self.committed_rows = sum(batch.num_rows for batch in self._written)
         return len(self.replaced - source.keys()) if self._replacing else len(survivors.deleted)
 
     def abort(self) -> None:

@@ -511,6 +511,7 @@ def test_rows_are_inputs_minus_reported_skips(indexed: tuple[Path, str], expecte
     assert report["rows_read"] == expected.num_rows
     assert report["skipped"] == report["skipped_empty"] == 3
     assert read_output(work, out).num_rows == report["rows_written"] == expected.num_rows - report["skipped"]
+    assert report["rows_committed"] == report["rows_written"]
 
 
 def test_ids_and_kept_columns_in_input_order(indexed: tuple[Path, str], expected: pa.Table) -> None:
@@ -661,7 +662,10 @@ def test_a_stopped_run_exits_with_its_code_says_so_in_the_report_and_leaves_noth
     assert "Traceback" not in stderr + stdout
     assert stderr.splitlines() == [f"{word}; x.parquet is as it was before this run"]
     after = snapshot(tmp_path)
-    assert json.loads(after.pop("r.json")) == {"error": f"{word}; x.parquet is as it was before this run"}
+    written = json.loads(after.pop("r.json"))
+    assert written == {"error": f"{word}; x.parquet is as it was before this run", "rows_read": written["rows_read"],
+                       "rows_committed": 0}  # one Parquet file is written whole at the end
+    assert 0 < written["rows_read"] <= 3000
     before.pop("r.json")
     assert after == before
 
@@ -685,8 +689,12 @@ def test_ctrl_c_into_a_folder_of_parts_named_parquet_says_the_run_resumes(tmp_pa
     _, stderr = process.communicate(timeout=60)
     message = f"interrupted; the same command resumes from the last commit to {out}"
     assert (process.returncode, stderr.splitlines()) == (130, [message])
-    assert json.loads((tmp_path / "r.json").read_text()) == {"error": message}
-    assert list(folder.glob("part-*.parquet"))
+    written = json.loads((tmp_path / "r.json").read_text())
+    parts = list(folder.glob("part-*.parquet"))
+    # The report counts the rows the committed parts hold: those the next run will not embed again.
+    assert written == {"error": message, "rows_read": written["rows_read"],
+                       "rows_committed": sum(pq.read_metadata(part).num_rows for part in parts)}
+    assert 0 < written["rows_committed"] <= written["rows_read"] <= 3000
 
 
 def test_a_quoted_tilde_means_the_home_folder_for_every_path(tmp_path: Path) -> None:

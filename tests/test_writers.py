@@ -186,9 +186,9 @@ def test_groups_commit_as_they_fill_and_stay_through_an_abort(tmp_path, kind):
     store = open_store(**spec(tmp_path, kind), schema=schema(), commit_rows=2)
     store.write(batch(["a"]))
     store.write(batch(["b", "c", "d", "e"]))  # split across groups: a+b, c+d, and e waiting
-    assert ids_of(tmp_path, kind) == ["a", "b", "c", "d"]
+    assert ids_of(tmp_path, kind) == ["a", "b", "c", "d"] and store.committed_rows == 4
     store.abort()
-    assert ids_of(tmp_path, kind) == ["a", "b", "c", "d"]
+    assert ids_of(tmp_path, kind) == ["a", "b", "c", "d"] and store.committed_rows == 4
     assert open_store(**spec(tmp_path, kind), schema=schema()).existing == {i: f"k-{i}" for i in "abcd"}
 
 

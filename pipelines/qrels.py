@@ -6,7 +6,8 @@ gains (relevance / log2(rank + 1), ideal order from the judgements), MRR@10 (rec
 first relevant document in the top 10) and Recall@k (relevant documents found in the run's top k over
 all relevant ones); a document is relevant when its relevance is above 0. Averages are over the
 queries the qrels judge, as trec_eval's and pytrec_eval's: one whose judgements are all 0 scores 0 on
-each metric; queries the qrels do not name are counted, not scored.
+each metric; queries the qrels do not name are counted, not scored. Hits of equal score are taken in trec_eval's
+order (trec_order), so that a run file given to trec_eval scores as printed.
 Judged documents that are not among the documents ranked are normal (judgements pool many systems'
 runs over a larger corpus): they are scored as trec_eval scores them, the relevant ones as never found,
 and counted apart so that the caller can warn, since with a wrong id column almost none are found.
@@ -87,9 +88,17 @@ def read_qrels(path: str, query_ids: Sequence[str]) -> Qrels:
     return qrels
 
 
+def trec_order(doc_ids: Sequence[str], scores: Sequence[float]) -> list[str]:
+    """A query's hits as trec_eval reads them from a run file, whose rank column it ignores: by score, high
+    first, and equal scores (duplicate documents) by doc id from the last, as its strcmp orders them."""
+    by_id = sorted(zip(doc_ids, scores), key=lambda hit: hit[0], reverse=True)
+    return [doc_id for doc_id, _ in sorted(by_id, key=lambda hit: -hit[1])]
+
+
 def evaluate(query_ids: Sequence[str], doc_ids: Sequence[Sequence[str]], qrels: Qrels, k: int,
              documents: Iterable[str]) -> Metrics:
-    """Metrics of a run: doc_ids[q] is query q's ranked list, best first, out of documents (every id ranked)."""
+    """Metrics of a run: doc_ids[q] is query q's ranked list, best first (trec_order), out of documents
+    (every id ranked)."""
     ndcg, mrr, recall = [], [], []
     for query_id, ranked in zip(query_ids, doc_ids):
         judged = qrels.get(query_id)

@@ -39,7 +39,7 @@ from engine.batch import PackedBatch, Packer
 from engine.errors import UserError, short_reason
 from engine.spec import LATER_SETTINGS
 from pipelines.progress import Progress, plural
-from pipelines.qrels import CUTOFF, Metrics, Qrels, evaluate, read_qrels
+from pipelines.qrels import CUTOFF, Metrics, Qrels, evaluate, read_qrels, trec_order
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
@@ -572,14 +572,16 @@ def run_score(engine: Engine, tokenizer: TextTokenizer, inputs: Inputs, options:
     with _pair_pool(reranker, options.tokenizer_processes) if reranker is not None else nullcontext() as pool:
         first = rank(engine, tokenizer, inputs.queries, inputs.table or inputs.docs, options, top_k=depth,
                      progress=bars("ranking", "documents") if bars else None)
-        ranking, judged = first, first.doc_ids
+        ranking, judged = first, [trec_order(hits, scores) for hits, scores in zip(first.doc_ids, first.scores)]
         if reranker is not None:
             shortlist = first.top(reranked)
             wanted = {doc_id for hits in shortlist.doc_ids for doc_id in hits}
             ranking = rerank(*reranker, inputs.queries, shortlist, document_texts(inputs, wanted), reranked,
                              progress=bars("reranking", "queries") if bars else None, pool=pool)
             # The metrics read the reranked hits, then the first stage's next ones in its order.
-            judged = [hits + deeper[reranked:] for hits, deeper in zip(ranking.doc_ids, first.doc_ids)]
+            judged = [trec_order(hits, scores) + trec_order(deeper[reranked:], deeper_scores[reranked:])
+                      for hits, scores, deeper, deeper_scores
+                      in zip(ranking.doc_ids, ranking.scores, first.doc_ids, first.scores)]
     metrics = evaluate(ranking.query_ids, judged, inputs.qrels, options.top_k, ranking.corpus_ids) \
         if inputs.qrels else None
     return ranking.top(options.top_k), metrics

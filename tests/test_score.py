@@ -256,6 +256,22 @@ def test_metrics_equal_the_values_worked_out_by_hand(tmp_path: Path, documents: 
     assert (metrics.docs_missing, metrics.docs_missing_examples) == (len(missing), missing)
 
 
+def test_equal_scores_are_judged_in_trec_evals_order(model: Embedder, tmp_path: Path) -> None:
+    """trec_eval ignores a run file's ranks: it orders hits by score, and equal ones by doc id from the last.
+    Two copies of one document tie, so the copy named "b" comes first, ahead of the relevant "a"."""
+    same = "The quick brown fox jumps over the lazy dog."
+    write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": same}, {"id": "c", "text": "Stock markets fell today."},
+                                          {"id": "b", "text": same}])
+    write_jsonl(tmp_path / "queries.jsonl", [{"id": "q", "text": "a fox jumping over a dog"}])
+    (tmp_path / "qrels.txt").write_text("q 0 a 1\n")
+    options = ScoreOptions(queries=str(tmp_path / "queries.jsonl"), docs=str(tmp_path / "docs.jsonl"),
+                           qrels=str(tmp_path / "qrels.txt"))
+    ranking, metrics = run_score(model.engine, model.tokenizer, open_inputs(options), options)
+    assert ranking.doc_ids == [["a", "b", "c"]] and ranking.scores[0, 0] == ranking.scores[0, 1]
+    assert metrics.mrr_at_10 == pytest.approx(0.5)
+    assert metrics.ndcg_at_10 == pytest.approx(1 / np.log2(3))
+
+
 def test_jsonl_qrels_read_like_trec(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "qrels.jsonl", [{"query_id": "q1", "doc_id": "a", "relevance": 2}, {"query_id": "q2", "doc_id": "b"}])
     assert read_qrels(str(tmp_path / "qrels.jsonl"), ["q1", "q2"]) == {"q1": {"a": 2}, "q2": {"b": 1}}

@@ -10,6 +10,8 @@ It is the engine plus the model's tokenizer; `embedctl index` runs the same piec
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine import EngineConfig
+from engine.errors import UserError
 from pipelines.tokenize import TextTokenizer, resolve_prompt
 
 if TYPE_CHECKING:  # importing embedctl (as its command line does) must not import torch
@@ -73,4 +76,9 @@ def load(model: str | os.PathLike[str] | None = None, **options: object) -> Embe
     """
     from engine import Engine
 
+    known = [field.name for field in dataclasses.fields(EngineConfig)]
+    for name in options.keys() - set(known):
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(known)}"
+        raise UserError(f"load() has no option {name!r}; {hint}")
     return Embedder(Engine.load(None if model is None else os.fspath(model), EngineConfig(**options)))

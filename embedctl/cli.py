@@ -284,7 +284,8 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).")] = "127.0.0.1",
     model: ModelOpt = None,
     api_key: Annotated[Optional[str], typer.Option(envvar="EMBEDCTL_API_KEY", show_envvar=True,
-                                                   help="Require 'Authorization: Bearer KEY' on everything but /health and /ping.")] = None,
+                                                   help="Require 'Authorization: Bearer KEY' on everything but the health checks "
+                                                        "(/health, /ping, GET /) and the docs (/docs, /openapi.json).")] = None,
     max_batch_tokens: BatchTokensOpt = None,
     max_seqs: MaxSeqsOpt = 512,
     # One lane: every extra lane captures its own graph of each shape while requests wait, and under

@@ -616,7 +616,9 @@ def write_run(ranking: Ranking, options: ScoreOptions) -> None:
     out = Path(options.out if in_place else os.path.realpath(options.out))  # a link stays; what it names is replaced
     target = out if in_place else out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        with target.open("w", encoding="utf-8") as handle:
+        # Appended to in place: /dev/stdout redirected to a file opens that file, which "w" would empty of what
+        # the shell and this process's stderr wrote there before.
+        with target.open("a" if in_place else "w", encoding="utf-8") as handle:
             handle.writelines(lines)
         if not in_place:
             os.replace(target, out)

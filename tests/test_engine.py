@@ -380,6 +380,13 @@ def test_python_options_of_the_wrong_type_are_refused_at_load(options: dict, mes
     assert EngineConfig(dim=np.int64(256)).dim == 256  # numpy's integers are whole numbers too
 
 
+def test_an_unknown_option_of_load_is_a_user_error_that_suggests_the_name() -> None:
+    with pytest.raises(embedctl.UserError, match="load\\(\\) has no option 'dims'; did you mean 'dim'\\?"):
+        embedctl.load(dims=256)
+    with pytest.raises(embedctl.UserError, match="load\\(\\) has no option 'foo'; it takes device, dtype,"):
+        embedctl.load(foo=1)
+
+
 def test_embed_from_threads_at_once_equals_one_call_at_a_time(minilm: embedctl.Embedder) -> None:
     # A shared attention plan let one thread's batch be cut at another's sequence bounds (max error 0.3-0.5).
     batches = [TEXTS[i::4] + [text * (i + 1) for text in TEXTS[:3]] for i in range(4)] * 3

@@ -206,12 +206,19 @@ def test_jsonl_rows_to_stdout(sample_ranking: tuple[Queries, Ranking], capsys: p
     assert [np.float32(row["score"]) for row in rows] == [np.float32(hit[3]) for hit in expected]
 
 
-def test_a_run_to_dev_stdout_reaches_a_pipe_and_a_redirected_file() -> None:
+def test_a_run_to_dev_stdout_reaches_a_pipe_and_a_redirected_file(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "embedctl.cli", "score", str(QUERIES), str(CORPUS), "--top-k", "2", "--out",
                "/dev/stdout", "-q"]
+    rows = 2 * len(QUERIES.read_text().splitlines())
     piped = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
-    assert piped.returncode == 0 and len(piped.stdout.splitlines()) == 2 * len(QUERIES.read_text().splitlines()), \
-        piped.stderr
+    assert piped.returncode == 0 and len(piped.stdout.splitlines()) == rows, piped.stderr
+    # `>> log.txt`: /dev/stdout opens the log itself, whose earlier lines must stay
+    log = tmp_path / "log.txt"
+    log.write_text("line-before\n")
+    with log.open("a") as handle:
+        redirected = subprocess.run(command, env=ENV, stdout=handle, stderr=subprocess.STDOUT, timeout=300)
+    lines = log.read_text().splitlines()
+    assert redirected.returncode == 0 and lines[0] == "line-before" and len(lines) == 1 + rows
 
 
 def test_a_run_written_through_a_link_or_into_a_fifo_leaves_them_in_place(

@@ -17,6 +17,7 @@ import json
 import math
 import posixpath
 import re
+import sys
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -129,6 +130,10 @@ class CorpusReader:
         with handle:
             schema, f.rows = pfile.schema_arrow, pfile.metadata.num_rows
         names = ", ".join(schema.names)
+        for col in dict.fromkeys([self.text_col, self.id_col, *self.keep]):
+            if schema.names.count(col) > 1:
+                raise UserError(f"{f.shown} has {schema.names.count(col)} columns named '{col}', which no reader can "
+                                "tell apart; rename all but one")
         if self.text_col not in schema.names:
             raise UserError(
                 f"{f.shown} has no column '{self.text_col}' (its columns: {names}); "
@@ -203,8 +208,21 @@ class CorpusReader:
         if self.keep:
             kept = pa.Table.from_batches([batch.select(self.keep)])
             if not kept.schema.equals(self._kept_schema):
-                kept = kept.cast(self._kept_schema)
+                kept = self._cast_kept(f, lines, kept)
         return Chunk(f.shown, ids, batch.column(self.text_col).to_pylist(), lines, kept)
+
+    def _cast_kept(self, f: _File, lines: list[int], kept: pa.Table) -> pa.Table:
+        """A Parquet chunk's --keep columns in the type every file's columns were unified to; UserError naming the
+        column whose values that type cannot hold (2**53 + 1 in a float64, a decimal too wide for it)."""
+        columns = []
+        for field in self._kept_schema:
+            column = kept.column(field.name)
+            try:
+                columns.append(column.cast(field.type))
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+                raise _unfit(f, lines, field.name, field.type, short_reason(error), self._kept_origins.get(field.name),
+                             "column") from None
+        return pa.Table.from_arrays(columns, schema=self._kept_schema)
 
     # JSONL
 
@@ -258,12 +276,28 @@ class CorpusReader:
 
     def _parse_line(self, f: _File, number: int, raw: bytes) -> dict:
         where = f"{f.shown} line {number}"
+        if raw.startswith(codecs.BOM_UTF8):  # the first line's was dropped (_numbered_lines)
+            raise UserError(f"{where}: starts with a byte order mark, which only a file's start may hold (files "
+                            "joined with cat?); remove it")
         try:
-            row = json.loads(raw.decode("utf-8"))
+            # Without its line end, a line cut off inside a string reads as unterminated, not as holding a newline.
+            row = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))
         except UnicodeDecodeError:
             raise UserError(f"{where}: not valid UTF-8; save the file as UTF-8") from None
         except json.JSONDecodeError as e:
-            raise UserError(f"{where}: invalid JSON ({e.msg}); fix or remove that line") from None
+            if e.msg == "Extra data" and b"\r" in raw.rstrip(b"\r\n"):
+                raise UserError(f"{where}: holds several lines ended by a carriage return alone (old Mac line "
+                                "endings); convert them to newlines") from None
+            # Some of json's messages end in "at", for a position it leaves out of the message.
+            raise UserError(f"{where}: invalid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); fix or remove "
+                            "that line") from None
+        except RecursionError:
+            raise UserError(f"{where}: JSON nested too deep to read; fix or remove that line") from None
+        except ValueError as e:
+            if "digits" not in str(e):
+                raise UserError(f"{where}: invalid JSON ({short_reason(e)}); fix or remove that line") from None
+            raise UserError(f"{where}: holds a number of more than {sys.get_int_max_str_digits():,} digits, more than "
+                            "Python reads; fix or remove that line") from None
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected a JSON object, got {_kind(row)}; put one object per line")
         if b"\\u" in raw and not _valid_unicode(row):  # only a \u escape can make a lone surrogate
@@ -486,14 +520,16 @@ def _promotes_to(kind: pa.DataType, known: pa.DataType) -> bool:
         return False
 
 
-def _line_span(lines: list[int]) -> str:
-    return f"line {lines[0]}" if lines[0] == lines[-1] else f"lines {lines[0]}-{lines[-1]}"
+def _line_span(lines: list[int], noun: str = "line") -> str:
+    return f"{noun} {lines[0]}" if lines[0] == lines[-1] else f"{noun}s {lines[0]}-{lines[-1]}"
 
 
-def _unfit(f: _File, lines: list[int], name: str, known: pa.DataType, why: str, origin: str | None) -> UserError:
-    """A JSONL --keep value that the key's type cannot hold: the type of origin (a Parquet file) or, for
-    None, of the first lines."""
-    where = f"{f.shown} {_line_span(lines)}: --keep key '{name}' does not fit the type {known}"
+def _unfit(f: _File, lines: list[int], name: str, known: pa.DataType, why: str, origin: str | None,
+           kind: str = "key") -> UserError:
+    """A --keep value (a JSONL key's, or a Parquet column's) that the type the files gave it cannot hold: the
+    type of origin (a Parquet file) or, for None, of the first lines."""
+    span = _line_span(lines, "row" if kind == "column" else "line")
+    where = f"{f.shown} {span}: --keep {kind} '{name}' does not fit the type {known}"
     if origin is not None:
         return UserError(f"{where} it has in {origin} ({why}); give it that type in every file, or leave it out "
                          "of --keep")

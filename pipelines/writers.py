@@ -23,7 +23,7 @@ import os
 import posixpath
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from typing import Protocol
@@ -63,10 +63,30 @@ def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
         pa.field("truncated", pa.bool_()),
         pa.field(CONTENT_KEY, pa.string()),
     ]
+    _refuse_empty_objects(kept or [])
     for field in kept or []:
         if field.name in {f.name for f in fields}:
             raise UserError(f"--keep {field.name}: the output already has a '{field.name}' column; drop it from --keep")
     return pa.schema([*fields, *(field.with_nullable(True) for field in kept or [])], metadata=metadata)
+
+
+def _refuse_empty_objects(kept: Iterable[pa.Field]) -> None:
+    """A JSONL --keep key whose values are {} becomes a struct without fields, which Parquet cannot store,
+    nor Lance inside a list; and such a column tells nothing."""
+    for field in kept:
+        if _holds_empty_struct(field.type):
+            raise UserError(f"--keep {field.name}: its values hold empty objects ({{}}), which the output cannot "
+                            "store and which tell nothing; drop it from --keep")
+
+
+def _holds_empty_struct(kind: pa.DataType) -> bool:
+    if pa.types.is_struct(kind):
+        return kind.num_fields == 0 or any(_holds_empty_struct(kind.field(i).type) for i in range(kind.num_fields))
+    if pa.types.is_map(kind):
+        return _holds_empty_struct(kind.key_type) or _holds_empty_struct(kind.item_type)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _holds_empty_struct(kind.value_type)
+    return False
 
 
 class VectorStore(Protocol):

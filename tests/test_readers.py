@@ -478,6 +478,27 @@ def test_parquet_keep_columns_that_disagree_across_files(tmp_path):
     assert message.startswith(f"{tmp_path}/b.parquet: a --keep column has a type that earlier files do not share")
 
 
+@pytest.mark.parametrize("first, second, reason", [
+    (pa.array([2**53 + 1], pa.int64()), pa.array([0.5]), "Integer value 9007199254740993 not in range"),
+    (pa.array([2**64 - 1], pa.uint64()), pa.array([1], pa.int64()), "Integer value 18446744073709551615 not in range"),
+], ids=["int64 past float64's integers", "uint64 past int64"])
+def test_parquet_kept_values_the_unified_type_cannot_hold_name_the_file_and_column(tmp_path, first, second, reason):
+    write_parquet(tmp_path / "a.parquet", {"text": ["a"], "n": first})
+    write_parquet(tmp_path / "b.parquet", {"text": ["b"], "n": second})
+    message = error(path=str(tmp_path), keep=["n"])
+    assert message.startswith(f"{tmp_path}/a.parquet row 1: --keep column 'n' does not fit the type ")
+    assert f"it has in {tmp_path}/b.parquet ({reason}" in message and message.endswith("or leave it out of --keep")
+
+
+@pytest.mark.parametrize("column", ["text", "id", "n"])
+def test_parquet_with_two_columns_of_one_name_says_so(tmp_path, column):
+    columns = {"text": pa.array(["a"]), "id": pa.array(["x"]), "n": pa.array([1])}
+    names = list(columns) + [column]
+    pq.write_table(pa.Table.from_arrays([*columns.values(), columns[column]], names=names), tmp_path / "a.parquet")
+    assert error(path=str(tmp_path), keep=["n"]) == (
+        f"{tmp_path}/a.parquet has 2 columns named '{column}', which no reader can tell apart; rename all but one")
+
+
 def test_parquet_id_column_that_cannot_be_a_string(tmp_path):
     write_parquet(tmp_path / "a.parquet", {"id": [[1, 2]], "text": ["x"]})
     message = error(path=str(tmp_path))
@@ -505,8 +526,24 @@ def test_jsonl_invalid_json_names_file_and_line(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [{"text": "ok"}, "", '{"text": "missing comma" "id": 1}'])
     message = error(path=str(tmp_path))
     assert message == (
-        f"{tmp_path}/a.jsonl line 3: invalid JSON (Expecting ',' delimiter); fix or remove that line"
+        f"{tmp_path}/a.jsonl line 3: invalid JSON (Expecting ',' delimiter at column 26); fix or remove that line"
     )
+
+
+@pytest.mark.parametrize("line, phrase", [
+    ('{"text": "cut off', "invalid JSON (Unterminated string starting at column 10)"),  # json's message ends in "at"
+    ('{"text": "x", "deep": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested too deep to read"),
+    ('{"text": "x", "n": ' + "9" * 5000 + "}", "holds a number of more than 4,300 digits, more than Python reads"),
+], ids=["truncated", "deep", "long number"])
+def test_jsonl_that_python_cannot_read_is_one_line_naming_the_line(tmp_path, line, phrase):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "ok"}, line])
+    assert error(path=str(tmp_path)) == f"{tmp_path}/a.jsonl line 2: {phrase}; fix or remove that line"
+
+
+def test_jsonl_lines_ended_by_a_carriage_return_alone_say_so(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(b'{"text": "x"}\r{"text": "y"}\r')
+    assert error(path=str(tmp_path)) == (f"{tmp_path}/a.jsonl line 1: holds several lines ended by a carriage return "
+                                         "alone (old Mac line endings); convert them to newlines")
 
 
 def test_jsonl_line_that_is_not_an_object(tmp_path):
@@ -557,8 +594,10 @@ def test_jsonl_byte_order_mark_is_dropped_at_the_start_only(tmp_path):
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(codecs.BOM_UTF8 + b'{"id": "c", "text": "z"}\n'))
     _, ids, texts = read_all(CorpusReader(str(tmp_path)))
     assert (ids, texts) == (["a", "b", "c"], ["x", "y", "z"])
-    (tmp_path / "a.jsonl").write_bytes(lines.encode() + codecs.BOM_UTF8 + lines.encode())
-    assert f"{tmp_path}/a.jsonl line 3: invalid JSON" in error(path=str(tmp_path / "a.jsonl"))
+    (tmp_path / "a.jsonl").write_bytes(lines.encode() + codecs.BOM_UTF8 + lines.encode())  # two files joined with cat
+    assert error(path=str(tmp_path / "a.jsonl")) == (
+        f"{tmp_path}/a.jsonl line 3: starts with a byte order mark, which only a file's start may hold (files joined "
+        "with cat?); remove it")
 
 
 def test_jsonl_not_utf8(tmp_path):

@@ -418,3 +418,13 @@ def test_a_parquet_file_clears_its_own_killed_temporary_files_not_another_output
     store.write(batch(["a"]))
     store.finish({"a": "k-a"}, prune=False)
     assert not own.exists() and other.read_text() == "being written by another run"
+
+
+@pytest.mark.parametrize("kept", [pa.struct([]), pa.list_(pa.struct([])), pa.struct([("a", pa.struct([]))])],
+                         ids=["{}", "[{}]", "{a: {}}"])
+def test_kept_empty_objects_are_refused_before_any_output_is_touched(kept):
+    """JSONL's {} values give a --keep key a struct without fields, which Parquet's writer cannot store, nor
+    Lance's inside a list."""
+    with pytest.raises(UserError, match=r"^--keep v: its values hold empty objects \(\{\}\), which the output "
+                                        r"cannot store and which tell nothing; drop it from --keep$"):
+        schema(kept=pa.schema([("v", kept)]))

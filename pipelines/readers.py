@@ -36,6 +36,10 @@ _PARQUET = ".parquet"
 _SUFFIXES = (_PARQUET, ".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")  # compared in lower case
 _SUFFIX_LIST = ", ".join(_SUFFIXES[:-1]) + " or " + _SUFFIXES[-1]
 _GLOB = re.compile(r"[*?\[]")
+# A corpus file under a compression it is not read in (a .jsonl.gz is read): refused by name rather than left
+# out like a side file.
+_OTHER_COMPRESSION = re.compile(r"\.(?:jsonl|ndjson|parquet)\.(zstd?|bz2|xz|lzma|lz4|zip|br|snappy|7z|gz|gzip|z)$",
+                                re.IGNORECASE)
 _JSONL_ID_FIX = "give every line an id, or pass --id-col naming a key the file lacks to number lines instead"
 
 
@@ -387,6 +391,7 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
             found = _walk(fs, root)
         elif fs.isfile(root):
             if not _is_corpus_file(root):
+                _refuse_other_compression(path)
                 raise UserError(f"{path} is not a {_SUFFIX_LIST} file; rename it or convert it")
             return fs, [_File(root, path, posixpath.basename(root))]
         else:
@@ -398,12 +403,14 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
     files, left_out = [], 0
     for p in sorted(set(found)):
         rel = p[len(base_root):] if p.startswith(base_root) else posixpath.basename(p)
-        if not _is_corpus_file(p):
-            continue
         # Hidden and underscore paths hold temporary or side files (a writer's unfinished parts, Spark's
         # _SUCCESS), as pyarrow's datasets take them; unless a part of the glob spells one so itself (_*.jsonl).
-        if any(part.startswith((".", "_")) and not any(glob[:1] == part[0] and fnmatch.fnmatchcase(part, glob)
-                                                       for glob in spelled) for part in rel.split("/")):
+        side = any(part.startswith((".", "_")) and not any(glob[:1] == part[0] and fnmatch.fnmatchcase(part, glob)
+                                                           for glob in spelled) for part in rel.split("/"))
+        if not _is_corpus_file(p):
+            if not side:
+                _refuse_other_compression(base + rel)
+        elif side:
             left_out += 1
         else:
             files.append(_File(p, base + rel, rel))
@@ -412,6 +419,15 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
                   "temporary or side files; rename them, or name them in a glob (_*.jsonl)") if left_out else ""
         raise UserError(f"{path} holds no {_SUFFIX_LIST} files{hidden}; check the path")
     return fs, files
+
+
+def _refuse_other_compression(shown: str) -> None:
+    """UserError for a corpus file compressed otherwise than with gzip (docs.jsonl.zst), which a folder or glob
+    would otherwise leave out without a word."""
+    if match := _OTHER_COMPRESSION.search(shown):
+        fix = ("Parquet compresses inside the file: decompress it" if match.group(0).lower().startswith(".parquet")
+               else "decompress it, or compress it with gzip (.jsonl.gz)")
+        raise UserError(f"{shown} is compressed with .{match.group(1)}, which embedctl does not read; {fix}")
 
 
 def glob_base(path: str) -> str:

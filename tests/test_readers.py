@@ -364,6 +364,20 @@ def test_directory_without_corpus_files(tmp_path):
     assert "holds no" in error(path=f"{tmp_path}/*.parquet")
 
 
+@pytest.mark.parametrize("name, fix", [("c.jsonl.zst", "decompress it, or compress it with gzip (.jsonl.gz)"),
+                                       ("c.NDJSON.BZ2", "decompress it, or compress it with gzip (.jsonl.gz)"),
+                                       ("c.parquet.gz", "Parquet compresses inside the file: decompress it")])
+def test_a_corpus_file_compressed_otherwise_than_with_gzip_is_refused_not_left_out(tmp_path, name, fix):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])
+    (tmp_path / name).write_bytes(b"compressed")
+    (tmp_path / "dataset_info.json").write_text("{}")  # a side file of another kind stays left out
+    (tmp_path / f".{name}").write_bytes(b"compressed")  # so does a hidden one
+    extension = name.rsplit(".", 1)[1]
+    for given in (tmp_path, f"{tmp_path}/*", tmp_path / name):
+        assert error(path=str(given)) == (f"{tmp_path}/{name} is compressed with .{extension}, which embedctl does not "
+                                          f"read; {fix}")
+
+
 def test_unsupported_single_file(tmp_path):
     (tmp_path / "a.csv").write_text("text\nx\n")
     message = error(path=str(tmp_path / "a.csv"))

@@ -108,6 +108,7 @@ class IndexReport:
     truncated: int = 0
     skipped_empty: int = 0
     skipped_duplicate: int = 0
+    numbered_files: int = 0  # files without the id column, whose rows got FILE:ROW ids
     seconds: float = 0.0  # the run, less load_seconds
     load_seconds: float = 0.0  # loading the model, when a row needed it
     graphs: dict = field(default_factory=dict)
@@ -126,9 +127,11 @@ class IndexReport:
                     f"({self.tokens_per_second:,.0f} tokens/s{self._load()})"
                     if self.tokens else f"nothing to embed ({self.seconds:.1f} s)")
         written = f"{self.output} not written: {self.not_written}" if self.not_written else self.output
+        numbered = (f"; the rows of {plural(self.numbered_files, 'file')} numbered FILE:ROW for want of an id column"
+                    if self.numbered_files else "")
         return (f"{plural(self.rows_written + self.unchanged, 'row')}: {self.added:,} added, {self.updated:,} updated, "
                 f"{self.unchanged:,} unchanged, {self.deleted:,} deleted; {embedded}; {self.truncated:,} truncated, "
-                f"{self.skipped:,} skipped -> {written}")
+                f"{self.skipped:,} skipped{numbered} -> {written}")
 
     def _load(self) -> str:
         return f", after {self.load_seconds:.1f} s loading the model" if self.load_seconds else ""
@@ -297,6 +300,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
             report.rows_committed = store.committed_rows
         raise
     report.rows_committed = store.committed_rows
+    report.numbered_files = len(reader.numbered)
     if progress is not None:
         progress(report.rows_written + report.unchanged + report.skipped, report.tokens, reader.total_rows)
     report.load_seconds = model.load_seconds if model.engines and not loaded_before else 0.0

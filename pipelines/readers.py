@@ -86,6 +86,9 @@ class CorpusReader:
         # Every chunk's kept table gets one schema so the writer can fix its schema from the first.
         self._kept_schema: pa.Schema | None = None
         self._kept_origins: dict[str, str] = {}  # kept column -> the Parquet file that gave it its type
+        # Files read so far whose rows are numbered FILE:ROW for want of an id column (a Parquet file's as it is
+        # checked, below; a JSONL file's on its first line): an --id-col misspelt would number every row.
+        self.numbered: list[str] = []
         parquet = [f for f in self._files if _is_parquet(f.path)]
         for f in parquet:
             kept = self._check_parquet(f)
@@ -156,6 +159,8 @@ class CorpusReader:
                     "check its spelling or drop it from --keep"
                 )
         f.has_id = self.id_col in schema.names
+        if not f.has_id:
+            self.numbered.append(f.shown)
         if f.has_id:
             id_type = schema.field(self.id_col).type
             try:
@@ -237,7 +242,10 @@ class CorpusReader:
         kept_rows: list[dict] = []
         first: tuple[int, bool] | None = None  # the first line's number and whether it has an id
         for number, row in self._jsonl_rows(f):
-            first = first or (number, self.id_col in row)
+            if first is None:
+                first = (number, self.id_col in row)
+                if not first[1]:
+                    self.numbered.append(f.shown)
             ids.append(self._line_id(f, number, row, first))
             texts.append(row[self.text_col])
             lines.append(number)

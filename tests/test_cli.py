@@ -636,6 +636,20 @@ def test_a_read_only_table_is_one_line_and_unchanged(existing: Path) -> None:
     assert snapshot(existing) == before
 
 
+def test_rows_numbered_for_want_of_the_id_column_are_named_in_the_summary_and_report(tmp_path: Path) -> None:
+    """A misspelt --id-col numbers every row FILE:ROW, and the next run with the right one would add every row
+    again: the summary says so, and the report counts the files."""
+    write_jsonl(tmp_path / "docs" / "a.jsonl", good_rows("a"))
+    write_jsonl(tmp_path / "docs" / "b.jsonl", [{"text": "no id here"}])
+    misspelt = embedctl_index("docs", "--out", "x.lance", "--id-col", "doc_id", "--report", "r.json", cwd=tmp_path)
+    assert misspelt.returncode == 0, misspelt.stderr
+    assert "; the rows of 2 files numbered FILE:ROW for want of an id column -> x.lance" in misspelt.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["numbered_files"] == 2
+    right = embedctl_index("docs", "--out", "y.lance", "--report", "r.json", cwd=tmp_path)
+    assert "; the rows of 1 file numbered FILE:ROW" in right.stderr  # b.jsonl has no ids
+    assert json.loads((tmp_path / "r.json").read_text())["numbered_files"] == 1
+
+
 # Ctrl-C and SIGTERM
 
 

@@ -86,6 +86,7 @@ class CorpusReader:
         # Every chunk's kept table gets one schema so the writer can fix its schema from the first.
         self._kept_schema: pa.Schema | None = None
         self._kept_origins: dict[str, str] = {}  # kept column -> the Parquet file that gave it its type
+        self._typed_by = "earlier lines"  # with JSONL alone: the file and lines whose values gave the kept types
         # Files read so far whose rows are numbered FILE:ROW for want of an id column (a Parquet file's as it is
         # checked, below; a JSONL file's on its first line): an --id-col misspelt would number every row.
         self.numbered: list[str] = []
@@ -230,7 +231,7 @@ class CorpusReader:
                 columns.append(column.cast(field.type))
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
                 raise _unfit(f, lines, field.name, field.type, short_reason(error), self._kept_origins.get(field.name),
-                             "column") from None
+                             kind="column") from None
         return pa.Table.from_arrays(columns, schema=self._kept_schema)
 
     # JSONL
@@ -371,16 +372,19 @@ class CorpusReader:
                 column = pa.array(values)
             except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:  # mixed types, or an int past int64
                 if known is not None:
-                    raise _unfit(f, lines, name, known, short_reason(e), self._kept_origins.get(name)) from None
+                    raise _unfit(f, lines, name, known, short_reason(e), self._kept_origins.get(name),
+                                 self._typed_by) from None
                 column = pa.array([_as_text(v) for v in values], pa.string())
             if known is None:
                 columns[name] = column.cast(pa.string()) if pa.types.is_null(column.type) else column
             elif (fitted := _fitted(column, known)) is not None:
                 columns[name] = fitted
             else:
-                raise _unfit(f, lines, name, known, f"here it is {column.type}", self._kept_origins.get(name))
+                raise _unfit(f, lines, name, known, f"here it is {column.type}", self._kept_origins.get(name),
+                                 self._typed_by)
         table = pa.table(columns)
-        self._kept_schema = self._kept_schema or table.schema
+        if self._kept_schema is None:
+            self._kept_schema, self._typed_by = table.schema, f"{f.shown} {_line_span(lines)}"
         return table
 
 
@@ -549,15 +553,15 @@ def _line_span(lines: list[int], noun: str = "line") -> str:
 
 
 def _unfit(f: _File, lines: list[int], name: str, known: pa.DataType, why: str, origin: str | None,
-           kind: str = "key") -> UserError:
+           typed_by: str = "earlier lines", kind: str = "key") -> UserError:
     """A --keep value (a JSONL key's, or a Parquet column's) that the type the files gave it cannot hold: the
-    type of origin (a Parquet file) or, for None, of the first lines."""
+    type of origin (a Parquet file) or, for None, the one the JSONL lines typed_by gave it."""
     span = _line_span(lines, "row" if kind == "column" else "line")
     where = f"{f.shown} {span}: --keep {kind} '{name}' does not fit the type {known}"
     if origin is not None:
         return UserError(f"{where} it has in {origin} ({why}); give it that type in every file, or leave it out "
                          "of --keep")
-    return UserError(f"{where} that earlier lines gave it ({why}); give it one type in every line (3.0, not 3, "
+    return UserError(f"{where} that {typed_by} gave it ({why}); give it one type in every line (3.0, not 3, "
                      "where others hold 3.5; an object with every key, null where it has no value)")
 
 

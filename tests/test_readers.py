@@ -289,17 +289,26 @@ def test_jsonl_kept_key_seen_only_on_the_last_line_is_kept(tmp_path):
 
 
 @pytest.mark.parametrize("name, values, shown", [
-    ("price", [3, 3.99], "the type int64 that earlier lines gave it (here it is double)"),
-    ("meta", [{"a": 1}, {"a": 2, "b": "lost"}], "the type struct<a: int64> that earlier lines gave it (here it is "
+    ("price", [3, 3.99], "the type int64 that A line 1 gave it (here it is double)"),
+    ("meta", [{"a": 1}, {"a": 2, "b": "lost"}], "the type struct<a: int64> that A line 1 gave it (here it is "
                                                  "struct<a: int64, b: string>)"),
-    ("n", [1, 2**70], "the type int64 that earlier lines gave it (Python int too large"),
+    ("n", [1, 2**70], "the type int64 that A line 1 gave it (Python int too large"),
 ])
 def test_jsonl_kept_values_the_first_chunks_type_would_change_are_refused(tmp_path, name, values, shown):
     write_jsonl(tmp_path / "a.jsonl", [{"text": f"t{i}", name: value} for i, value in enumerate(values)])
     message = error(path=str(tmp_path / "a.jsonl"), keep=[name], chunk_rows=1)
+    shown = shown.replace("A line", f"{tmp_path}/a.jsonl line")  # the first chunk, which typed the key
     assert message.startswith(f"{tmp_path}/a.jsonl line 2: --keep key '{name}' does not fit {shown}")
     assert message.endswith("; give it one type in every line (3.0, not 3, where others hold 3.5; an object with "
                             "every key, null where it has no value)")
+
+
+def test_a_jsonl_value_that_does_not_fit_names_the_file_and_lines_that_typed_its_key(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "x", "v": 1}, {"text": "y", "v": 2}])
+    write_jsonl(tmp_path / "b.jsonl", [{"text": "z", "v": 2.5}])
+    assert error(path=str(tmp_path), keep=["v"]).startswith(
+        f"{tmp_path}/b.jsonl line 1: --keep key 'v' does not fit the type int64 that {tmp_path}/a.jsonl lines 1-2 "
+        "gave it (here it is double)")
 
 
 def test_jsonl_kept_values_take_the_first_chunks_type_where_none_changes(tmp_path):

@@ -141,8 +141,10 @@ REFUSALS = {
          "--max-client-batch (as OpenAI answers more than 2,048)",
     401: "A missing or wrong API key (with --api-key)",
     404: "No such model (a request's `model` naming another: code model_not_found, as OpenAI answers it)",
-    413: "More inputs than --max-client-batch (on /v1/embeddings: 400), or a body larger than --max-request-bytes",
-    415: "A body declared as anything but JSON",
+    408: "The request body stopped arriving for a minute",
+    413: "More inputs than --max-client-batch (on /v1/embeddings: 400), a body larger than --max-request-bytes, or "
+         "more tokens than /tokenize answers at once",
+    415: "A body declared as anything but JSON, or compressed",
     422: "An invalid request: a wrong type, an unknown field, a token id outside the vocabulary, an input longer "
          "than the max length with truncate: false",
     424: "The engine failed on the request",
@@ -156,6 +158,13 @@ CLIENT_GONE = 499  # the metrics' status for a request whose client disconnected
 # abandoned one stops holding the queue; for smaller ones (a query: milliseconds) the watch would cost
 # more than it saves.
 WATCH_BYTES = 16 << 10
+# Seconds a request's body may take to arrive between two of its parts before it is refused with a 408: a
+# client that stalls mid-body would otherwise hold its connection, and a shutdown's drain, for ever (nginx's
+# client_body_timeout is 60 s).
+BODY_TIMEOUT_SECONDS = 60
+# The most tokens /tokenize answers per request: each is an object of the reply (about 70 bytes of JSON and
+# 500 of Python while it is built), so that 4 MB of text, 2M tokens, had the server at 2.3 GB.
+TOKENIZE_MAX_TOKENS = 1 << 17
 JSON_HEADER = (b"content-type", b"application/json")
 BODY_PROBLEMS = ("missing", "model_type", "model_attributes_type", "dict_type")  # the body is no JSON object
 
@@ -491,8 +500,8 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
                   # not the model's name, which may be a local path: /docs needs no key (GET /info names it)
                   description="Embeddings and ranking with one model (GET /info names it).")
     app.add_exception_handler(HTTPException, _http_error)
-    inference_errors = _error_responses(TeiError, 400, 401, 404, 413, 415, 422, 424, 429, 500, 503)
-    tokenizer_errors = _error_responses(TeiError, 400, 401, 413, 415, 422, 500)
+    inference_errors = _error_responses(TeiError, 400, 401, 404, 408, 413, 415, 422, 424, 429, 500, 503)
+    tokenizer_errors = _error_responses(TeiError, 400, 401, 408, 413, 415, 422, 500)
 
     # _Front serves the POST endpoints; FastAPI only describes them in /docs and answers 405 to other methods.
     async def embeddings(body: EmbeddingsRequest) -> None:
@@ -500,7 +509,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
 
     for path in EMBEDDINGS_PATHS:
         app.add_api_route(path, embeddings, methods=["POST"], response_model=EmbeddingsResponse,
-                          responses=_error_responses(OpenAIError, 400, 401, 404, 413, 415, 429, 500, 503))
+                          responses=_error_responses(OpenAIError, 400, 401, 404, 408, 413, 415, 429, 500, 503))
 
     @app.post("/embed", response_model=EMBED_REPLY, responses=inference_errors)
     async def embed(body: EmbedRequest) -> None:
@@ -732,6 +741,9 @@ class _Service:
             # stripped, as TextTokenizer.encode strips what /embed embeds
             encodings = self.untruncated.encode_batch([text.strip() for text in prompted],
                                                       add_special_tokens=body.add_special_tokens)
+            if (tokens := sum(len(encoding.ids) for encoding in encodings)) > TOKENIZE_MAX_TOKENS:
+                raise ApiError(413, f"inputs hold {tokens:,} tokens, and /tokenize answers at most "
+                                    f"{TOKENIZE_MAX_TOKENS:,} per request; send less text per request")
             return [_tokens(encoding, text) for encoding, text in zip(encodings, prompted)]
 
         return _dumps(await self.tokenize(token_lists, [prompt + text for text in texts]))
@@ -1152,7 +1164,11 @@ class _Front:
 
     async def _serve(self, path: str, model: type[BaseModel], handler: Handler, receive: Receive, send: Send) -> int:
         try:
-            body = await self._body(receive)
+            try:
+                body = await self._body(receive)
+            except asyncio.CancelledError:  # a shutdown's drain ran out while the body was still arriving
+                return await _refuse(send, path, ApiError(503, "the server is shutting down and cut this request off; "
+                                                               "send it again", RETRY_AFTER))
             if body is None:
                 return CLIENT_GONE
             try:
@@ -1175,7 +1191,11 @@ class _Front:
         """The whole request body; 413 once it grows past the limit; None if the client went away."""
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_TIMEOUT_SECONDS)
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
+                raise ApiError(408, f"the request body stopped arriving for {BODY_TIMEOUT_SECONDS} s; send it whole, "
+                                    "as its Content-Length says") from None
             if message["type"] == "http.disconnect":
                 return None
             chunks.append(message.get("body", b""))
@@ -1190,8 +1210,8 @@ class _Front:
         Content-Length, a POST whose declared Content-Type is not JSON."""
         headers = dict(scope["headers"])
         if self.api_key is not None and not _open(scope) and not self._authorized(
-                headers.get(b"authorization", b"")):
-            return ApiError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                [value for name, value in scope["headers"] if name == b"authorization"]):
+            return ApiError(401, "missing or wrong API key; send one header 'Authorization: Bearer <key>'",
                             {"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
@@ -1203,12 +1223,20 @@ class _Front:
         if scope["method"] == "POST" and scope["path"] in self.routes and content_type and not _is_json(content_type):
             return ApiError(415, f"Content-Type {content_type.decode('latin-1')!r} is not JSON; "
                                  "send the body with the header 'Content-Type: application/json'")
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if scope["method"] == "POST" and scope["path"] in self.routes and encoding not in (b"identity", b""):
+            # Read as it is, a compressed body was "not valid JSON", and a declared one that is not, taken as JSON.
+            return ApiError(415, f"Content-Encoding {encoding.decode('latin-1')!r} is not taken; send the body "
+                                 "uncompressed")
         return None
 
-    def _authorized(self, header: bytes) -> bool:
-        scheme, _, key = header.partition(b" ")
+    def _authorized(self, headers: list[bytes]) -> bool:
+        """One Authorization header, with this server's key: with two, which one a proxy reads is anyone's guess."""
+        if len(headers) != 1:
+            return False
+        scheme, _, key = headers[0].strip().partition(b" ")
         # The scheme is case-insensitive (RFC 9110, 11.1): some clients send "bearer KEY".
-        return scheme.lower() == b"bearer" and secrets.compare_digest(key.lstrip(b" "), self.api_key)
+        return scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), self.api_key)
 
     def _too_large(self) -> str:
         return (f"the request body is larger than this server's --max-request-bytes {self.max_bytes}; "

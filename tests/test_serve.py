@@ -11,6 +11,7 @@ same app under uvicorn in a thread. Nothing here mocks the server, the engine or
 from __future__ import annotations
 
 import copy
+import gzip
 import importlib.metadata
 import json
 import os
@@ -38,6 +39,7 @@ import uvicorn
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
+from embedctl import serve as serve_module
 from embedctl.cli import app as cli
 from embedctl.serve import CLIENT_GONE, WATCH_BYTES, ServeLimits, create_app
 from engine import Engine, EngineConfig, UserError
@@ -513,6 +515,12 @@ def test_a_body_declared_as_not_json_gets_415_and_one_declared_as_nothing_is_rea
             reply = client.post("/embed", content=body, headers=declared)
             assert reply.status_code == 200, reply.text
             np.testing.assert_allclose(reply.json()[0], indexed[0][5], atol=1e-5)
+        # A compressed body was read as it is ("not valid JSON"), and one declared compressed that is not, as JSON.
+        for encoding, sent in (("gzip", gzip.compress(body)), ("br", body)):
+            refused = client.post("/embed", content=sent, headers={"Content-Encoding": encoding})
+            assert refused.status_code == 415 and refusal(refused)[0] == (
+                f"Content-Encoding '{encoding}' is not taken; send the body uncompressed")
+        assert client.post("/embed", content=body, headers={"Content-Encoding": "identity"}).status_code == 200
         # Only a POST's body is checked: other methods keep their own answers.
         assert client.get("/embed", headers={"Content-Type": "text/plain"}).status_code == 405
         assert client.get("/v1/models", headers={"Content-Type": "text/plain"}).status_code == 200
@@ -547,6 +555,52 @@ def test_the_key_counts_under_the_bearer_scheme_in_any_case(server: Server, text
         np.testing.assert_allclose(reply.json()[0], indexed[0][5], atol=1e-5)
     else:
         assert "Authorization: Bearer" in refusal(reply)[0]
+
+
+def test_one_authorization_header_with_the_key_and_spaces_around_it_is_let_in(server: Server) -> None:
+    port = int(server.url.rsplit(":", 1)[1])
+
+    def status(*headers: bytes) -> bytes:
+        body = b'{"inputs": "x"}'
+        with socket.create_connection(("127.0.0.1", port)) as raw:  # httpx would not send a value's trailing space
+            raw.sendall(b"POST /embed HTTP/1.1\r\nHost: localhost\r\n" + b"".join(h + b"\r\n" for h in headers) +
+                        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            return raw.recv(64).split(b" ")[1]
+
+    key = KEY.encode()
+    assert status(b"Authorization: Bearer " + key + b" ") == b"200"  # the space is no part of the value (RFC 9110)
+    # With two, which one a proxy in front reads is anyone's guess: neither order is let in.
+    assert status(b"Authorization: Bearer " + key, b"Authorization: Bearer wrong") == b"401"
+    assert status(b"Authorization: Bearer wrong", b"Authorization: Bearer " + key) == b"401"
+
+
+def test_a_body_that_stops_arriving_gets_408_and_the_server_serves_on(random_bert: Path, monkeypatch) -> None:
+    monkeypatch.setattr(serve_module, "BODY_TIMEOUT_SECONDS", 0.5)
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    with serving(create_app(engine, TextTokenizer(engine.files.tokenizer_file, engine.max_length))) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            raw.sendall(b"POST /embed HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 1000\r\n\r\n" + b'{"inputs": "par')
+            raw.settimeout(10)
+            reply = raw.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408 ")
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1]) == {
+            "error": "the request body stopped arriving for 0.5 s; send it whole, as its Content-Length says",
+            "error_type": "Validation"}
+        assert httpx.post(url + "/embed", json={"inputs": "still serving"}).status_code == 200
+
+
+def test_tokenize_refuses_more_tokens_than_it_answers_at_once(random_bert: Path, monkeypatch) -> None:
+    """Each token is an object of the reply: 4 MB of text, 2M tokens, took the server to 2.3 GB."""
+    monkeypatch.setattr(serve_module, "TOKENIZE_MAX_TOKENS", 12)
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    with serving(create_app(engine, TextTokenizer(engine.files.tokenizer_file, engine.max_length))) as url:
+        fits = httpx.post(url + "/tokenize", json={"inputs": ["one two three", "four five six"]})
+        refused = httpx.post(url + "/tokenize", json={"inputs": ["one two three four five", "six seven eight nine"]})
+    assert fits.status_code == 200 and sum(map(len, fits.json())) == 10
+    assert refused.status_code == 413 and refusal(refused) == (
+        "inputs hold 13 tokens, and /tokenize answers at most 12 per request; send less text per request", "Validation")
 
 
 def test_body_without_length_is_cut_off_at_the_limit(client: httpx.Client) -> None:

@@ -309,6 +309,7 @@ def serve(
     tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize requests of many texts in N worker processes, 0 in the server process (default: one per 4 cores when the model runs on a GPU and there are at least 8 cores, else 0).")] = None,
     doc_prompt: Annotated[Optional[str], typer.Option(help="Text put before every text of /v1/embeddings and /embed (default: the model's 'document' prompt, if any, as index puts it; '' for none, as TEI).")] = None,
     query_prompt: Annotated[Optional[str], typer.Option(help="Text put before /rerank's query (default: the model's 'query' prompt, if any, as score puts it; '' for none).")] = None,
+    cors_allow_origin: Annotated[Optional[list[str]], typer.Option(help="A web page origin (https://app.example.com, or '*') whose scripts may call the server from a browser; repeatable.")] = None,
 ) -> None:
     """Serve embeddings and ranking over HTTP: OpenAI /v1/embeddings, TEI /embed and /rerank, /health, /metrics."""
     from embedctl.serve import ServeLimits, ServeOptions, serve as run_server  # fastapi loads only for this command
@@ -322,7 +323,7 @@ def serve(
         key = api_key if api_key is not None or "EMBEDCTL_API_KEY" not in os.environ else os.environ["EMBEDCTL_API_KEY"]
         run_server(model, config, ServeOptions(host=host, port=port, api_key=key, limits=limits, access_log=access_log,
                                                tokenizer_processes=tokenizer_processes, doc_prompt=doc_prompt,
-                                               query_prompt=query_prompt))
+                                               query_prompt=query_prompt, cors_allow_origins=tuple(cors_allow_origin or ())))
 
     _guarded(run, None)
 

@@ -74,7 +74,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException
-from starlette.types import Message, Receive, Scope, Send
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenizers import Encoding
 
 from engine import Engine, EngineConfig, UserError
@@ -200,6 +201,7 @@ class ServeOptions:
     # document and query prompts, as index and score put them; "": none, as TEI.
     doc_prompt: str | None = None
     query_prompt: str | None = None
+    cors_allow_origins: tuple[str, ...] = ()  # web pages (scheme://host[:port], or "*") whose scripts may call
 
     def __post_init__(self) -> None:
         check_processes(self.tokenizer_processes)
@@ -598,7 +600,7 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
     app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize, options.tokenizer_processes,
                      {"document": options.doc_prompt, "query": options.query_prompt})
-    server = uvicorn.Server(uvicorn.Config(app, access_log=options.access_log,
+    server = uvicorn.Server(uvicorn.Config(with_cors(app, options.cors_allow_origins), access_log=options.access_log,
                                            timeout_graceful_shutdown=DRAIN_SECONDS))
     shown_host = f"[{options.host}]" if ":" in options.host else options.host  # an IPv6 address, as a URL writes it
     server_log.info("embedctl serve: %s on %s, dim %d, max length %d, at http://%s:%d (docs at /docs)",
@@ -615,6 +617,16 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
         # A second Ctrl-C quits without the app's shutdown; its scheduler thread, still inside a step, and
         # its workers then met the interpreter's exit and aborted the process (SIGABRT).
         app.close()
+
+
+def with_cors(app: _Front, origins: Sequence[str]) -> ASGIApp:
+    """The app, or with origins, behind Starlette's CORS middleware, as TEI's --cors-allow-origin puts it: a
+    browser's preflight (OPTIONS, which carries no key) is answered before the app's API key is asked for, and
+    replies to those origins say that their scripts may read them."""
+    if not origins:
+        return app
+    return CORSMiddleware(app, allow_origins=list(origins), allow_methods=["GET", "HEAD", "POST"], allow_headers=["*"],
+                          expose_headers=["Retry-After"])
 
 
 def _listen(host: str, port: int) -> socket.socket:

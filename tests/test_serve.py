@@ -603,6 +603,28 @@ def test_tokenize_refuses_more_tokens_than_it_answers_at_once(random_bert: Path,
         "inputs hold 13 tokens, and /tokenize answers at most 12 per request; send less text per request", "Validation")
 
 
+def test_cors_lets_a_listed_origins_scripts_call_with_the_key_and_no_other(random_bert: Path) -> None:
+    """A browser asks first (a preflight, which carries no key), then sends the request with the key."""
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    app = create_app(engine, TextTokenizer(engine.files.tokenizer_file, engine.max_length), api_key=KEY)
+    page, stranger = "https://app.example.com", "https://evil.example.com"
+    with serving(serve_module.with_cors(app, [page])) as url:
+        asking = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+        preflight = httpx.options(url + "/embed", headers={"Origin": page, **asking})
+        refused = httpx.options(url + "/embed", headers={"Origin": stranger, **asking})
+        called = httpx.post(url + "/embed", json={"inputs": "x"},
+                            headers={"Origin": page, "Authorization": f"Bearer {KEY}"})
+        keyless = httpx.post(url + "/embed", json={"inputs": "x"}, headers={"Origin": page})
+        other = httpx.post(url + "/embed", json={"inputs": "x"}, headers={"Origin": stranger, "Authorization": f"Bearer {KEY}"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == page
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    assert called.status_code == 200 and called.headers["access-control-allow-origin"] == page
+    assert keyless.status_code == 401  # the key is still asked for
+    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers  # its browser hides it
+    assert serve_module.with_cors(app, []) is app
+
+
 def test_body_without_length_is_cut_off_at_the_limit(client: httpx.Client) -> None:
     def chunks() -> Iterator[bytes]:  # a generator body goes out chunked, with no Content-Length to check up front
         yield b'{"inputs": "'

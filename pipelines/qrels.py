@@ -96,11 +96,13 @@ def trec_order(doc_ids: Sequence[str], scores: Sequence[float]) -> list[str]:
 
 
 def evaluate(query_ids: Sequence[str], doc_ids: Sequence[Sequence[str]], qrels: Qrels, k: int,
-             documents: Iterable[str]) -> Metrics:
+             documents: Iterable[str], written: Sequence[Sequence[str]] | None = None) -> Metrics:
     """Metrics of a run: doc_ids[q] is query q's ranked list, best first (trec_order), out of documents
-    (every id ranked)."""
+    (every id ranked). Recall@k counts written[q], the hits the run file holds (by default doc_ids[q][:k]):
+    where equal scores straddle rank k, trec_order may put another of them in the first k."""
+    written = written if written is not None else [ranked[:k] for ranked in doc_ids]
     ndcg, mrr, recall = [], [], []
-    for query_id, ranked in zip(query_ids, doc_ids):
+    for query_id, ranked, kept in zip(query_ids, doc_ids, written):
         judged = qrels.get(query_id)
         if judged is None:
             continue
@@ -110,7 +112,7 @@ def evaluate(query_ids: Sequence[str], doc_ids: Sequence[Sequence[str]], qrels: 
         ndcg.append(_dcg(gains) / _dcg(ideal) if ideal else 0.0)
         first = next((rank for rank, doc in enumerate(ranked[:CUTOFF], start=1) if doc in relevant), None)
         mrr.append(1.0 / first if first else 0.0)
-        recall.append(len(relevant.intersection(ranked[:k])) / len(relevant) if relevant else 0.0)
+        recall.append(len(relevant.intersection(kept)) / len(relevant) if relevant else 0.0)
     scored = len(ndcg)
     missing = sorted({doc for judged in qrels.values() for doc in judged}.difference(documents))
     return Metrics(ndcg_at_10=_mean(ndcg), mrr_at_10=_mean(mrr), recall_at_k=_mean(recall), k=k,

@@ -582,8 +582,8 @@ def run_score(engine: Engine, tokenizer: TextTokenizer, inputs: Inputs, options:
             judged = [trec_order(hits, scores) + trec_order(deeper[reranked:], deeper_scores[reranked:])
                       for hits, scores, deeper, deeper_scores
                       in zip(ranking.doc_ids, ranking.scores, first.doc_ids, first.scores)]
-    metrics = evaluate(ranking.query_ids, judged, inputs.qrels, options.top_k, ranking.corpus_ids) \
-        if inputs.qrels else None
+    metrics = evaluate(ranking.query_ids, judged, inputs.qrels, options.top_k, ranking.corpus_ids,
+                       written=ranking.top(options.top_k).doc_ids) if inputs.qrels else None
     return ranking.top(options.top_k), metrics
 
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -277,6 +278,10 @@ def test_equal_scores_are_judged_in_trec_evals_order(model: Embedder, tmp_path: 
     assert ranking.doc_ids == [["a", "b", "c"]] and ranking.scores[0, 0] == ranking.scores[0, 1]
     assert metrics.mrr_at_10 == pytest.approx(0.5)
     assert metrics.ndcg_at_10 == pytest.approx(1 / np.log2(3))
+    # Recall@k counts the hits the run file holds: with --top-k 1, "a", which trec_eval finds there.
+    options = replace(options, top_k=1)
+    ranking, metrics = run_score(model.engine, model.tokenizer, open_inputs(options), options)
+    assert ranking.doc_ids == [["a"]] and metrics.recall_at_k == 1.0 and metrics.mrr_at_10 == pytest.approx(0.5)
 
 
 def test_jsonl_qrels_read_like_trec(tmp_path: Path) -> None:

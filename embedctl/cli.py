@@ -221,7 +221,7 @@ def score(
     reranker: Annotated[Optional[str], typer.Option(help="Cross-encoder model that rescores each query's top hits.")] = None,
     rerank_depth: Annotated[Optional[int], typer.Option(help="Hits per query the reranker rescores (default: --top-k).")] = None,
     qrels: Annotated[Optional[str], typer.Option(help="TREC or JSONL relevance judgements: print nDCG@10, MRR@10, Recall@k.")] = None,
-    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Write the run to this file (default: stdout).")] = None,
+    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Write the run to this file (default, or '-': stdout).")] = None,
     run_format: Annotated[RunFormat, typer.Option("--format", help="jsonl rows {query_id, doc_id, rank, score}, or a TREC run.")] = RunFormat.jsonl,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing --out (at the end, atomically).")] = False,
     model: ModelOpt = None,
@@ -245,6 +245,7 @@ def score(
     With --index, the queries take the table's dim and max length unless given here."""
     from pipelines.score import ScoreOptions, open_inputs, run_score, write_run
 
+    out = None if out == "-" else out  # the usual name for stdout, not a file named "-"
     queries, docs, index, qrels, out, report = map(_home, (queries, docs, index, qrels, out, report))
     model, reranker = _home(model), _home(reranker)
 

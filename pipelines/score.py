@@ -196,9 +196,12 @@ class StoredVectors:
         self._table = self._dataset = None
         lance = path.rstrip("/").endswith(".lance")
         shown = f"table '{table}' of --index {path}" if table is not None else f"--index {path}"
-        if table is not None and (path.rstrip("/").endswith(".parquet") or path.endswith("/")):
+        if table is not None and path.rstrip("/").endswith(".parquet"):
             raise UserError(f"--table {table} names a table of a LanceDB database, and {path} is a Parquet table; "
                             "drop --table, or give --index the LanceDB directory or URI")
+        if table is not None and lance:  # as index's --out and --table refuse it
+            raise UserError(f"--index {path} names a LanceDB table, and --table {table} a table of a database; drop "
+                            "--table, or give --index the database folder that holds the tables")
         if "://" not in path and not os.path.exists(path):
             wanted = (f"the LanceDB database that holds table '{table}'" if table is not None else
                       "a table written by `embedctl index` (x.lance, x.parquet, a directory of parts, or a database "
@@ -265,9 +268,14 @@ class StoredVectors:
             if key == "model" or (key in LATER_SETTINGS and key not in self.settings):
                 continue
             if self.settings.get(key) != value:
+                fix = ("score with the model and settings it was built with (without --dim and --max-length the "
+                       "table's are taken)")
+                if key == "files_sha256":  # two hashes alone tell a user nothing
+                    raise UserError(f"--index {self.path} was built with the same weights but other config, tokenizer "
+                                    f"or module files than {engine.files.name}'s (the table names the model "
+                                    f"{self.settings.get('model')!r}); {fix}")
                 raise UserError(f"--index {self.path} was built with {key} {self.settings.get(key)!r} but the query "
-                                f"model has {value!r}; score with the model and settings it was built with (without "
-                                "--dim and --max-length the table's are taken)")
+                                f"model has {value!r}; {fix}")
 
     def chunks(self, rows: int) -> Iterator[tuple[list[str], np.ndarray]]:
         for batch in self._batches(["id", "vector"], rows):
@@ -711,8 +719,12 @@ def _blank(text: str | None) -> bool:
 
 def _check_id(chunk: Chunk, row: int, run_format: str) -> None:
     if run_format == "trec" and _WHITESPACE.search(chunk.ids[row]):
-        raise UserError(f"{chunk.where(row)}: id {chunk.ids[row]!r} holds whitespace, which a TREC run cannot; "
-                        "use --format jsonl or ids without whitespace")
+        fix = "use --format jsonl or ids without whitespace"
+        made, _, number = chunk.ids[row].rpartition(":")
+        if number == str(chunk.lines[row]) and chunk.source.endswith(made):  # FILE:ROW, for want of an id column
+            fix = ("the id was made from the file's name, as the file has no id column: pass --id-col with its column "
+                   "of ids, rename the file, or use --format jsonl")
+        raise UserError(f"{chunk.where(row)}: id {chunk.ids[row]!r} holds whitespace, which a TREC run cannot; {fix}")
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -724,6 +736,8 @@ def _check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not overwrite:
         raise UserError(f"{out} already exists; pass --overwrite to replace it or pick another --out")
     folder = Path(os.path.realpath(out)).parent
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--out {out}: {folder} is a file, not a directory; pick another path")
     if not folder.is_dir():
         raise UserError(f"--out {out}: the directory {folder} does not exist; create it or pick another path")
     if not os.access(folder, os.W_OK):

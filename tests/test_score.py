@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -222,6 +223,16 @@ def test_a_run_to_dev_stdout_reaches_a_pipe_and_a_redirected_file(tmp_path: Path
     assert redirected.returncode == 0 and lines[0] == "line-before" and len(lines) == 1 + rows
 
 
+def test_out_dash_is_stdout_and_out_inside_a_file_says_so(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "embedctl.cli", "score", str(QUERIES), str(CORPUS), "--top-k", "1", "-o", "-", "-q"]
+    dashed = subprocess.run(command, env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert dashed.returncode == 0 and len(dashed.stdout.splitlines()) == len(QUERIES.read_text().splitlines())
+    assert list(tmp_path.iterdir()) == []  # no file named "-"
+    (tmp_path / "exist.jsonl").write_text("a file\n")
+    with pytest.raises(UserError, match=r"exist.jsonl is a file, not a directory; pick another path$"):
+        score._check_out(tmp_path / "exist.jsonl" / "run.jsonl", overwrite=False)
+
+
 def test_a_run_written_through_a_link_or_into_a_fifo_leaves_them_in_place(
         sample_ranking: tuple[Queries, Ranking], tmp_path: Path) -> None:
     _, ranking = sample_ranking
@@ -420,11 +431,14 @@ def sample_table(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path) -> 
     return out
 
 
-@pytest.mark.parametrize("named", [False, True], ids=["x.lance", "database and --table"])
+@pytest.mark.parametrize("named", ["", "database", "database/"], ids=["x.lance", "database and --table",
+                                                                     "database/ and --table"])
 def test_index_table_ranks_like_the_documents(sample_table: Path, sample_ranking: tuple[Queries, Ranking], model: Embedder,
-                                              named: bool) -> None:
+                                              named: str) -> None:
     queries, ranking = sample_ranking
-    where = {"index": str(sample_table.parent), "table": "vectors"} if named else {"index": str(sample_table)}
+    # A trailing slash names the database folder as index's --out takes it (it was refused as a Parquet folder).
+    where = ({"index": str(sample_table.parent) + named.removeprefix("database"), "table": "vectors"} if named
+             else {"index": str(sample_table)})
     options = ScoreOptions(queries=str(QUERIES), top_k=3, chunk_rows=64, **where)
     inputs = open_inputs(options)
     calls = []
@@ -610,6 +624,23 @@ def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_d
         rank(other.engine, other.tokenizer, inputs.queries, inputs.table, options)
 
 
+def test_index_built_with_other_model_files_names_them_rather_than_their_hashes(sample_table: Path, minilm_dir: Path,
+                                                                                tmp_path: Path) -> None:
+    copy = tmp_path / "minilm-copy"
+    shutil.copytree(minilm_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "layer_norm_eps": 1e-6}))  # same weights, other settings
+    options = ScoreOptions(queries=str(QUERIES), index=str(sample_table))
+    inputs = open_inputs(options)
+    other = embedctl.load(str(copy), device="cpu")
+    with pytest.raises(UserError) as refused:
+        rank(other.engine, other.tokenizer, inputs.queries, inputs.table, options)
+    assert str(refused.value).startswith(
+        f"--index {sample_table} was built with the same weights but other config, tokenizer or module files than "
+        f"{other.engine.files.name}'s (the table names the model ")
+    assert "sha256" not in str(refused.value)
+
+
 def test_index_table_with_a_repeated_id_is_refused(sample_table: Path, tmp_path: Path, model: Embedder) -> None:
     import lancedb
 
@@ -784,6 +815,13 @@ def _whitespace_id_in_trec(tmp: Path) -> tuple[list, list[str]]:
     return ["queries.jsonl", "docs.jsonl", "--format", "trec"], ["queries.jsonl line 1", "'q 1'", "--format jsonl"]
 
 
+def _whitespace_in_a_file_name_made_id(tmp: Path) -> tuple[list, list[str]]:
+    _good_queries(tmp)
+    write_jsonl(tmp / "my docs.jsonl", [{"text": "A good line."}])
+    return ["queries.jsonl", "my docs.jsonl", "--format", "trec"], [
+        "id 'my docs.jsonl:1' holds whitespace", "made from the file's name", "pass --id-col"]
+
+
 def _no_docs_and_no_index(tmp: Path) -> tuple[list, list[str]]:
     _good_queries(tmp)
     return ["queries.jsonl"], ["no documents", "--index"]
@@ -829,6 +867,12 @@ def _table_of_a_parquet_index(tmp: Path) -> tuple[list, list[str]]:
     return ["queries.jsonl", "--index", "vectors.parquet", "--table", "vectors"], ["is a Parquet table", "drop --table"]
 
 
+def _table_of_a_lance_table(tmp: Path) -> tuple[list, list[str]]:
+    _good_queries(tmp)
+    return ["queries.jsonl", "--index", "vectors.lance", "--table", "x"], ["--index vectors.lance names a LanceDB table",
+                                                                         "drop --table"]
+
+
 def _table_not_in_the_database(tmp: Path) -> tuple[list, list[str]]:
     _good_queries(tmp)
     (tmp / "db").mkdir()
@@ -864,9 +908,9 @@ def _qrels_relevance_infinite(tmp: Path) -> tuple[list, list[str]]:
 
 
 BAD_INPUTS = [_duplicate_query_ids, _duplicate_doc_ids, _no_queries, _no_documents, _top_k_zero, _existing_out,
-              _whitespace_id_in_trec, _no_docs_and_no_index, _qrels_for_unknown_queries, _reranker_is_not_a_cross_encoder,
+              _whitespace_id_in_trec, _whitespace_in_a_file_name_made_id, _no_docs_and_no_index, _qrels_for_unknown_queries, _reranker_is_not_a_cross_encoder,
               _rerank_depth_below_top_k, _tokenizer_processes_negative, _qrels_relevance_a_fraction, _qrels_relevance_infinite, _table_without_index,
-              _table_without_index_or_docs, _table_of_a_parquet_index, _table_not_in_the_database, _table_of_a_missing_database,
+              _table_without_index_or_docs, _table_of_a_parquet_index, _table_of_a_lance_table, _table_not_in_the_database, _table_of_a_missing_database,
               _database_without_table]
 
 

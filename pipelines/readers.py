@@ -162,7 +162,7 @@ class CorpusReader:
         f.has_id = self.id_col in schema.names
         if not f.has_id:
             self.numbered.append(f.shown)
-        if f.has_id:
+        else:
             id_type = schema.field(self.id_col).type
             try:
                 pa.array([], type=id_type).cast(pa.string())
@@ -381,7 +381,7 @@ class CorpusReader:
                 columns[name] = fitted
             else:
                 raise _unfit(f, lines, name, known, f"here it is {column.type}", self._kept_origins.get(name),
-                                 self._typed_by)
+                             self._typed_by)
         table = pa.table(columns)
         if self._kept_schema is None:
             self._kept_schema, self._typed_by = table.schema, f"{f.shown} {_line_span(lines)}"

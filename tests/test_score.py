@@ -530,6 +530,7 @@ class RecordingEngine:
 
     def __init__(self, engine: Engine, unready: bool) -> None:
         self.engine, self.max_batch_tokens, self.config = engine, engine.max_batch_tokens, engine.config
+        self.activate = engine.activate
         self.unready = unready
         self.log: list[str] = []
         self.step_pairs: list[int] = []

@@ -72,6 +72,7 @@ import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -553,8 +554,6 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     for path in (*HEALTH_PATHS, "/"):
         app.add_api_route(path, health, methods=["GET"], response_model=Health, include_in_schema=path != "/",
                           responses={**_error_responses(TeiError), 503: {"model": TeiError, "description": NOT_READY}})
-        # load balancers and uptime checks often probe with HEAD
-        app.add_api_route(path, health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics", responses=_error_responses(OpenAIError, 401))
     async def metrics() -> Response:
@@ -575,6 +574,10 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
             raise ApiError(404, f"no model {model!r} here; this server serves {service.name!r} (see GET /v1/models)",
                            openai_code="model_not_found")
         return described()
+
+    # Every GET answers HEAD too, as TEI's routes do: load balancers and uptime checks often probe with HEAD.
+    for route in [route for route in app.routes if isinstance(route, APIRoute) and route.methods == {"GET"}]:
+        app.add_api_route(route.path, route.endpoint, methods=["HEAD"], include_in_schema=False)
 
     routes: dict[str, tuple[type[BaseModel], Handler]] = {
         "/embed": (EmbedRequest, service.embed), "/rerank": (RerankRequest, service.rerank),

@@ -359,6 +359,9 @@ def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, mi
     for path in ("/docs", "/openapi.json"):  # a browser sends no key; Swagger's Authorize button takes it for the rest
         assert httpx.get(server.url + path).status_code == 200
     assert [model["id"] for model in client.get("/v1/models").json()["data"]] == [str(minilm_dir)]
+    for path in ("/info", "/metrics", "/v1/models", f"/v1/models/{minilm_dir}"):  # every GET answers HEAD, as TEI's
+        assert (client.head(path).status_code, client.head(path).content) == (200, b"")
+    assert httpx.head(server.url + "/metrics").status_code == 401  # with the key its GET needs
     text = client.get("/metrics").text
     for family in ("embedctl_requests_total", "embedctl_request_duration_seconds_bucket", "embedctl_queue_depth",
                    "embedctl_batch_tokens_sum", "embedctl_graph_captures_total", "embedctl_graph_replays_total"):

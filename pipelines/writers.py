@@ -71,12 +71,12 @@ def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
 
 
 def _refuse_empty_objects(kept: Iterable[pa.Field]) -> None:
-    """A JSONL --keep key whose values are {} becomes a struct without fields, which Parquet cannot store,
-    nor Lance inside a list; and such a column tells nothing."""
+    """A JSONL --keep key whose values are or hold {} becomes a struct without fields, which Parquet cannot
+    store, nor Lance inside a list."""
     for field in kept:
         if _holds_empty_struct(field.type):
-            raise UserError(f"--keep {field.name}: its values hold empty objects ({{}}), which the output cannot "
-                            "store and which tell nothing; drop it from --keep")
+            raise UserError(f"--keep {field.name}: its values hold empty objects ({{}}), which a Parquet file cannot "
+                            "store, nor LanceDB inside a list; drop it from --keep, or give those objects a key")
 
 
 def _holds_empty_struct(kind: pa.DataType) -> bool:

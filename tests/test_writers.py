@@ -425,6 +425,7 @@ def test_a_parquet_file_clears_its_own_killed_temporary_files_not_another_output
 def test_kept_empty_objects_are_refused_before_any_output_is_touched(kept):
     """JSONL's {} values give a --keep key a struct without fields, which Parquet's writer cannot store, nor
     Lance's inside a list."""
-    with pytest.raises(UserError, match=r"^--keep v: its values hold empty objects \(\{\}\), which the output "
-                                        r"cannot store and which tell nothing; drop it from --keep$"):
+    with pytest.raises(UserError, match=r"^--keep v: its values hold empty objects \(\{\}\), which a Parquet file "
+                                        r"cannot store, nor LanceDB inside a list; drop it from --keep, or give those "
+                                        r"objects a key$"):
         schema(kept=pa.schema([("v", kept)]))

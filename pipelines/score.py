@@ -580,18 +580,20 @@ def run_score(engine: Engine, tokenizer: TextTokenizer, inputs: Inputs, options:
     with _pair_pool(reranker, options.tokenizer_processes) if reranker is not None else nullcontext() as pool:
         first = rank(engine, tokenizer, inputs.queries, inputs.table or inputs.docs, options, top_k=depth,
                      progress=bars("ranking", "documents") if bars else None)
-        ranking, judged = first, [trec_order(hits, scores) for hits, scores in zip(first.doc_ids, first.scores)]
+        ranking = first
         if reranker is not None:
             shortlist = first.top(reranked)
             wanted = {doc_id for hits in shortlist.doc_ids for doc_id in hits}
             ranking = rerank(*reranker, inputs.queries, shortlist, document_texts(inputs, wanted), reranked,
                              progress=bars("reranking", "queries") if bars else None, pool=pool)
-            # The metrics read the reranked hits, then the first stage's next ones in its order.
-            judged = [trec_order(hits, scores) + trec_order(deeper[reranked:], deeper_scores[reranked:])
-                      for hits, scores, deeper, deeper_scores
-                      in zip(ranking.doc_ids, ranking.scores, first.doc_ids, first.scores)]
+    if not inputs.qrels:
+        return ranking.top(options.top_k), None
+    judged = [trec_order(hits, scores) for hits, scores in zip(ranking.doc_ids, ranking.scores)]
+    if reranker is not None:  # the reranked hits, then the first stage's next ones
+        judged = [hits + trec_order(deeper[reranked:], scores[reranked:])
+                  for hits, deeper, scores in zip(judged, first.doc_ids, first.scores)]
     metrics = evaluate(ranking.query_ids, judged, inputs.qrels, options.top_k, ranking.corpus_ids,
-                       written=ranking.top(options.top_k).doc_ids) if inputs.qrels else None
+                       written=ranking.top(options.top_k).doc_ids)
     return ranking.top(options.top_k), metrics
 
 

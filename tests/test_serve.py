@@ -589,7 +589,7 @@ def test_a_body_that_stops_arriving_gets_408_and_the_server_serves_on(random_ber
             reply = raw.recv(4096)
         assert reply.startswith(b"HTTP/1.1 408 ")
         assert json.loads(reply.split(b"\r\n\r\n", 1)[1]) == {
-            "error": "the request body stopped arriving for 0.5 s; send it whole, as its Content-Length says",
+            "error": "the request body did not arrive whole within 0.5 s; send it whole, as its Content-Length says",
             "error_type": "Validation"}
         assert httpx.post(url + "/embed", json={"inputs": "still serving"}).status_code == 200
 

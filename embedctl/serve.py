@@ -283,9 +283,9 @@ class _Prompted(_TeiRequest):
 
 
 class EmbedRequest(_Prompted):
-    inputs: Union[str, list[str], list[int], list[list[int]]] = Field(
-        description="A text, a list of texts, one token-id list, or a list of token-id lists (the model's own ids, "
-                    "special tokens included, which get no prompt)")
+    inputs: Union[str, list[str], list[int], list[list[int]], list[Union[str, list[int]]]] = Field(
+        description="A text, a list of texts, one token-id list, a list of token-id lists (the model's own ids, "
+                    "special tokens included, which get no prompt), or a list of texts and token-id lists")
     normalize: bool = True
     truncate: bool | None = Field(default=None, description="null or true: cut over-long inputs; false: refuse them")
     truncation_direction: Literal["right", "Right", "left", "Left"] = Field(
@@ -295,7 +295,11 @@ class EmbedRequest(_Prompted):
     @field_validator("inputs", mode="before")
     @classmethod
     def _inputs_shape(cls, value: Any) -> Any:
-        return _texts_or_token_ids(value)
+        # as TEI's: a batch may hold texts and token-id lists side by side
+        if isinstance(value, str) or _token_ids(value) or (
+                isinstance(value, list) and all(isinstance(item, str) or _list_of(item, int) for item in value)):
+            return value
+        raise ValueError("must be a string, a list of token ids, or a list of texts and token-id lists")
 
 
 class TokenizeRequest(_Prompted):
@@ -459,7 +463,7 @@ def _token_ids(value: Any) -> bool:
 
 
 def _texts_or_token_ids(value: Any) -> Any:
-    """Inputs as the OpenAI and TEI APIs take them; else one message, instead of pydantic's one per branch."""
+    """Inputs as the OpenAI API takes them; else one message, instead of pydantic's one per branch."""
     if isinstance(value, str) or _list_of(value, str) or _token_ids(value):
         return value
     raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
@@ -719,7 +723,7 @@ class _Service:
         self.check_vectors(body.dimensions)
         truncate, from_left = body.truncate is not False, body.truncation_direction.lower() == "left"
         inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        if not inputs or isinstance(inputs[0], str):
+        if all(isinstance(item, str) for item in inputs):
             vectors, _ = await self.run_texts(inputs, "inputs", truncate, self.prompt(body.prompt_name), from_left)
         elif body.prompt_name is not None:
             raise ApiError(422, "prompt_name applies to texts, not token ids; put the prompt's ids in front of "
@@ -727,6 +731,8 @@ class _Service:
         elif from_left:
             raise ApiError(422, "truncation_direction left applies to texts, not token ids; cut the lists to the "
                                 f"model's max length of {self.engine.max_length} yourself, or send texts")
+        elif any(isinstance(item, str) for item in inputs):
+            vectors = await self.run_mixed(inputs, "inputs", truncate, self.prompt(None))
         else:
             vectors, _ = await self.run_ids(_id_lists(body.inputs), "inputs", truncate)
         return _dumps(self.finish(vectors, body.dimensions, body.normalize))
@@ -836,6 +842,20 @@ class _Service:
                                            functools.partial(self.check_encoded, field=field, truncate=truncate),
                                            encode=self.tokenizer.encode_from_left if from_left else None)
 
+    async def run_mixed(self, inputs: list[str | list[int]], field: str, truncate: bool, prompt: str) -> np.ndarray:
+        """TEI's batch of texts and token-id lists side by side: a row for each in the request's order, the
+        texts tokenized with the prompt in front, the lists checked and cut at the max length."""
+        self.check_count(len(inputs), field)
+        for i, item in enumerate(inputs):
+            (self.check_text if isinstance(item, str) else self.check_ids)(item, f"{field}[{i}]")
+        texts = await self.tokenize(self.tokenizer.encode, [prompt + item for item in inputs if isinstance(item, str)])
+        tokenized, limit = iter(zip(texts.ids, texts.truncated)), self.engine.max_length
+        rows = [next(tokenized) if isinstance(item, str) else (self.tokenizer.cut_ids(item, limit), len(item) > limit)
+                for item in inputs]
+        encoded = Encoded(ids=[ids for ids, _ in rows], truncated=[truncated for _, truncated in rows])
+        self.check_encoded(encoded, field=field, truncate=truncate)
+        return await self.rows(self.submit(encoded))
+
     async def tokenize_and_run(self, texts: Sequence[str], check: Callable[[Encoded, int], None],
                                seconds: Sequence[str] | None = None,
                                encode: Callable[..., Encoded] | None = None) -> tuple[np.ndarray, int]:
@@ -895,17 +915,24 @@ class _Service:
     def check_texts(self, texts: Sequence[str], field: str) -> None:
         self.check_count(len(texts), field)
         for i, text in enumerate(texts):
-            if not text or text.isspace():
-                raise _empty(f"{field}[{i}] is blank; send text with at least one non-space character")
+            self.check_text(text, f"{field}[{i}]")
 
     def check_token_ids(self, sequences: list[list[int]], field: str) -> None:
         self.check_count(len(sequences), field)
         for i, ids in enumerate(sequences):
-            if not ids:
-                raise _empty(f"{field}[{i}] is an empty token-id list; send at least one token id")
-            if min(ids) < 0 or max(ids) >= self.engine.vocab_size:
-                raise ApiError(422, f"{field}[{i}] holds a token id outside the model's vocabulary "
-                                    f"0..{self.engine.vocab_size - 1}; send ids from this model's tokenizer")
+            self.check_ids(ids, f"{field}[{i}]")
+
+    @staticmethod
+    def check_text(text: str, name: str) -> None:
+        if not text or text.isspace():
+            raise _empty(f"{name} is blank; send text with at least one non-space character")
+
+    def check_ids(self, ids: list[int], name: str) -> None:
+        if not ids:
+            raise _empty(f"{name} is an empty token-id list; send at least one token id")
+        if min(ids) < 0 or max(ids) >= self.engine.vocab_size:
+            raise ApiError(422, f"{name} holds a token id outside the model's vocabulary "
+                                f"0..{self.engine.vocab_size - 1}; send ids from this model's tokenizer")
 
     def check_count(self, count: int, field: str) -> None:
         if count == 0:

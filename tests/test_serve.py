@@ -207,7 +207,11 @@ def test_token_ids_give_the_vectors_of_their_texts(client: httpx.Client, texts, 
     many = client.post("/v1/embeddings", json={"input": ids})
     single = client.post("/v1/embeddings", json={"input": ids[1]})
     tei_many, tei_single = (client.post("/embed", json={"inputs": value}) for value in (ids, ids[1]))  # TEI takes ids too
+    # and, as TEI does, texts and token-id lists side by side, each row in its place
+    tei_mixed = client.post("/embed", json={"inputs": [texts[0], ids[1], texts[2]]})
     assert many.status_code == single.status_code == tei_many.status_code == tei_single.status_code == 200, many.text
+    assert tei_mixed.status_code == 200, tei_mixed.text
+    np.testing.assert_allclose(tei_mixed.json(), indexed[0][:3], atol=1e-5)
     np.testing.assert_allclose([item["embedding"] for item in many.json()["data"]], indexed[0][:3], atol=1e-5)
     np.testing.assert_allclose(single.json()["data"][0]["embedding"], indexed[0][1], atol=1e-5)
     np.testing.assert_allclose(tei_many.json(), indexed[0][:3], atol=1e-5)
@@ -421,8 +425,14 @@ ERRORS = [
     ("not an object", "/embed", b"[1, 2]", KEY, 422, "Validation", "JSON object"),
     ("wrong input type", "/v1/embeddings", {"input": 5}, KEY, 400, "invalid_request_error", "input: must be a string"),
     ("mixed input", "/v1/embeddings", {"input": ["a", 1]}, KEY, 400, "invalid_request_error", "list of token ids"),
-    ("null inputs", "/embed", {"inputs": None}, KEY, 422, "Validation", "inputs: must be a string, a list of strings"),
-    ("texts and ids mixed", "/embed", {"inputs": ["a", [101, 102]]}, KEY, 422, "Validation", "list of token-id lists"),
+    ("null inputs", "/embed", {"inputs": None}, KEY, 422, "Validation",
+     "inputs: must be a string, a list of token ids, or a list of texts and token-id lists"),
+    ("a number among texts", "/embed", {"inputs": ["a", 101]}, KEY, 422, "Validation", "list of texts and token-id lists"),
+    ("a blank text among token ids", "/embed", {"inputs": [[101, 102], " "]}, KEY, 400, "Empty", "inputs[1] is blank"),
+    ("an empty list among texts", "/embed", {"inputs": ["a", []]}, KEY, 400, "Empty",
+     "inputs[1] is an empty token-id list"),
+    ("texts and token ids with a prompt", "/embed", {"inputs": ["a", [101, 102]], "prompt_name": "query"}, KEY, 422,
+     "Validation", "prompt_name applies to texts, not token ids"),
     ("token ids with a prompt", "/embed", {"inputs": [101, 102], "prompt_name": "query"}, KEY, 422, "Validation",
      "prompt_name applies to texts, not token ids"),
     ("token ids cut from the left", "/embed", {"inputs": [101, 102], "truncation_direction": "Left"}, KEY, 422,

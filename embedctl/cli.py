@@ -26,7 +26,7 @@ from engine import EngineConfig, ModelSpec, UserError
 from engine.checkpoint import resolve_model
 from pipelines.index import IndexModel, IndexOptions, IndexReport, lock_output, open_corpus, run_index
 from pipelines.lock import OutputLocked
-from pipelines.readers import glob_base
+from pipelines.readers import glob_base, glob_reads
 from pipelines.writers import commits_in_groups
 
 if TYPE_CHECKING:
@@ -408,19 +408,37 @@ def _fail(message: str, report: Path | None) -> None:
 
 def _check_paths(report: Path | None, inputs: list[str], out: str | None) -> None:
     """Before anything is read or written, refuse (one error line, no report written) an output that is,
-    holds or lies inside an input (for a glob, the folder it searches: a later run's glob may match the
-    output), and a --report that is or lies inside any of them."""
+    holds or lies inside an input file or folder, that holds what a glob reads, or that a later run's glob
+    would read (a Parquet output it matches: a Lance output holds no corpus files); and a --report that
+    is or lies inside an input or the output, or that a glob would read."""
+    for source in inputs:
+        if not source.strip():
+            _fail("an input path is empty; give a file, a directory or a glob of corpus files", None)
     there = _local(out) if out is not None and out.strip("/") else None  # '' and / name no output: refused later
     for source in inputs:
         here = _local(glob_base(source))
-        if here is not None and there is not None and (_within(here, there) or _within(there, here)):
+        if here is None or there is None:
+            continue
+        if _within(here, there) or (_within(there, here) if source == glob_base(source) else _glob_reads(source, there)):
             _fail(f"--out {out} and the input {source} overlap, so the output would overwrite or be read as "
                   "input; write the output outside the input", None)
     if report is not None:
+        written = os.path.realpath(report)
         for path in (*inputs, *([out] if out is not None else [])):
-            if (local := _local(path)) is not None and _within(os.path.realpath(report), local):
+            if (local := _local(path)) is None:
+                continue
+            if path != glob_base(path) and _glob_reads(path, written):
+                _fail(f"--report {report} would be read as input by {path} on a later run; give the report a path "
+                      "the glob does not match", None)
+            if path == glob_base(path) and _within(written, local):
                 _fail(f"--report {report} would overwrite {path}, which this run reads or writes; give the report "
                       "a path of its own", None)
+
+
+def _glob_reads(source: str, path: str) -> bool:
+    """Whether the glob source would read the local real path on a later run."""
+    base = glob_base(source)
+    return glob_reads(_local(base).rstrip("/") + "/" + source[len(base):], path)
 
 
 def _home(path: str | Path | None) -> str | Path | None:

@@ -507,6 +507,16 @@ def _is_corpus_file(path: str) -> bool:
     return path.lower().endswith(_SUFFIXES)
 
 
+def glob_reads(pattern: str, path: str) -> bool:
+    """Whether a glob, as a corpus source, would read the file at path (both local and absolute): a corpus
+    file that it matches, or that lies in a folder it matches (a matched folder is read whole)."""
+    if not _is_corpus_file(path):
+        return False
+    matches = re.compile(fsspec.utils.glob_translate(pattern)).fullmatch
+    parts = path.split("/")
+    return any(matches("/".join(parts[:end])) for end in range(2, len(parts) + 1))
+
+
 def _is_parquet(path: str) -> bool:
     return path.lower().endswith(_PARQUET)
 

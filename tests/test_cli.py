@@ -245,6 +245,21 @@ def _output_its_glob_would_match(tmp: Path) -> tuple[list, list[str]]:
                                                                     "docs/*.parquet overlap"]
 
 
+def _output_a_bare_glob_would_match(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["*", "--out", "vectors.parquet"], ["--out vectors.parquet and the input * overlap"]
+
+
+def _report_its_glob_would_read(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["d*.jsonl", "--out", "x.lance", "--report", "d-report.jsonl"], [
+        "--report d-report.jsonl would be read as input by d*.jsonl on a later run"]
+
+
+def _empty_source(tmp: Path) -> tuple[list, list[str]]:
+    return ["", "--out", "x.lance"], ["an input path is empty; give a file, a directory or a glob"]
+
+
 def _no_rows_per_commit(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
     return ["docs.jsonl", "--out", "x.lance", "--commit-rows", "0"], ["--commit-rows 0: give a positive number of rows"]
@@ -320,7 +335,8 @@ REFUSED = [_unknown_kind_in_new_folders, _lance_output_that_is_a_file, _folder_o
            _empty_database_with_a_table, _table_inside_a_table, _root_output, _rebuild_onto_its_source,
            _output_inside_its_source, _report_onto_the_output, _table_with_parquet, _unknown_device,
            _device_list_with_an_empty_entry, _device_list_with_the_cpu, _output_under_a_file,
-           _output_its_glob_would_match, _no_rows_per_commit]
+           _output_its_glob_would_match, _output_a_bare_glob_would_match, _report_its_glob_would_read, _empty_source,
+           _no_rows_per_commit]
 
 
 def test_overlapping_paths_and_impossible_options_are_one_line_and_change_nothing(
@@ -345,6 +361,19 @@ def test_an_output_reached_through_a_missing_folder_and_back_makes_no_folder(tmp
     assert done.returncode == 0, done.stderr
     assert pq.read_table(tmp_path / "x.parquet").num_rows == len(good_rows("a"))
     assert not (tmp_path / "new").exists()
+
+
+def test_a_glob_in_the_output_folder_takes_an_output_it_would_never_read(tmp_path: Path) -> None:
+    """`index '*.jsonl' --out vectors.lance`: a Lance output holds no corpus files, and a glob reads only what it
+    matches, so outputs beside the files a glob searches are fine unless the glob would read them next time."""
+    write_jsonl(tmp_path / "docs.jsonl", good_rows("a"))
+    results = run_side_by_side([(["*.jsonl", "--out", "vectors.lance", "-q"], tmp_path),
+                                (["**/*.jsonl", "--out", "out/vectors.parquet", "-q"], tmp_path),
+                                (["d*.jsonl", "--out", "more.lance", "--report", "report.json", "-q"], tmp_path)])
+    for result in results:
+        assert result.returncode == 0, result.stderr
+    assert lancedb.connect(tmp_path).open_table("vectors").count_rows() == len(good_rows("a"))
+    assert pq.read_table(tmp_path / "out" / "vectors.parquet").num_rows == len(good_rows("a"))
 
 
 def test_a_database_around_the_source_takes_a_table_beside_it_but_not_inside_it(tmp_path: Path) -> None:

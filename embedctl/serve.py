@@ -1152,7 +1152,8 @@ class _Front:
         # Stops the service's threads and worker processes if the app's shutdown did not (a forced quit).
         self.close = close
         self.routes = routes
-        self.api_key = api_key.encode() if api_key else None
+        # As a client's key is read: a key from a secret file ends with a newline that no client sends.
+        self.api_key = api_key.strip().encode() if api_key else None
         self.max_bytes = max_bytes
         self.metrics = metrics
 

@@ -638,6 +638,17 @@ def test_cors_lets_a_listed_origins_scripts_call_with_the_key_and_no_other(rando
     assert serve_module.with_cors(app, []) is app
 
 
+def test_a_key_read_from_a_secret_file_matches_the_key_clients_send(random_bert: Path) -> None:
+    """A key from a file (a Kubernetes or Docker secret) ends with a newline; no client sends one."""
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    app = create_app(engine, TextTokenizer(engine.files.tokenizer_file, engine.max_length), api_key=f" {KEY}\n")
+    with serving(app) as url:
+        called = httpx.post(url + "/embed", json={"inputs": "x"}, headers={"Authorization": f"Bearer {KEY}"})
+        wrong = httpx.post(url + "/embed", json={"inputs": "x"}, headers={"Authorization": f"Bearer {KEY}x"})
+    assert called.status_code == 200, called.text
+    assert wrong.status_code == 401
+
+
 def test_body_without_length_is_cut_off_at_the_limit(client: httpx.Client) -> None:
     def chunks() -> Iterator[bytes]:  # a generator body goes out chunked, with no Content-Length to check up front
         yield b'{"inputs": "'

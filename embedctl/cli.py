@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional, TextIO
 
 import typer
 
@@ -175,7 +175,7 @@ def index(
         so_far = IndexReport(output=out, model=spec.files.name)
         try:
             with lock_output(options):  # taken before the model loads: a refused run returns at once
-                with progress_bars(enabled=not quiet and sys.stderr.isatty()) as bars:
+                with progress_bars(enabled=not quiet and _on_terminal(sys.stderr)) as bars:
                     result = run_index(index_model, options, bars("embedding", "rows") if bars else None, corpus,
                                        so_far)
         except OutputLocked as error:  # not written to --report: the run that holds the lock owns it
@@ -251,6 +251,8 @@ def score(
 
     def run() -> None:
         _check_report_path(report)
+        if out is None and sys.stdout is None:  # started with stdout closed (>&-)
+            raise UserError("standard output is closed, and the run goes there without --out; give --out FILE")
         options = ScoreOptions(queries=queries, docs=docs, index=index, table=table, reranker=reranker, rerank_depth=rerank_depth,
                                qrels=qrels, out=out, top_k=top_k, format=run_format.value, overwrite=overwrite,
                                text_col=text_col, id_col=id_col, query_prompt=query_prompt, doc_prompt=doc_prompt,
@@ -263,7 +265,7 @@ def score(
             query_config = inputs.table.query_config(ModelSpec.of(resolve_model(model), query_config), query_config)
         engine, tokenizer = _load(model, query_config)
         rescorer = _load(reranker, config) if reranker is not None else None
-        with progress_bars(enabled=not quiet and sys.stderr.isatty()) as bars:
+        with progress_bars(enabled=not quiet and _on_terminal(sys.stderr)) as bars:
             ranking, metrics = run_score(engine, tokenizer, inputs, options, rescorer, bars)
         write_run(ranking, options)
         if not quiet:
@@ -456,6 +458,11 @@ def _output_path(out: str) -> str:
     if "://" in out or not out.strip("/"):
         return out
     return os.path.normpath(out) + ("/" if out.endswith("/") else "")
+
+
+def _on_terminal(stream: TextIO | None) -> bool:
+    """Whether a stream is a terminal; a stream the process was started without (2>&-) is None, and is not."""
+    return stream is not None and stream.isatty()
 
 
 def _local(path: str) -> str | None:

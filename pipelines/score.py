@@ -620,7 +620,11 @@ def write_run(ranking: Ranking, options: ScoreOptions) -> None:
             sys.stdout.writelines(lines)
             sys.stdout.flush()
         except BrokenPipeError:  # the reader left (`| head`): the rest of the run is not wanted
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's own flush is quiet
+            _quiet_stdout()
+        except OSError as error:  # a full disk behind a redirect
+            _quiet_stdout()
+            raise UserError(f"cannot write the run to standard output ({short_reason(error)}); check free space, "
+                            "or give --out FILE") from None
         return
     in_place = _written_in_place(options.out)
     out = Path(options.out if in_place else os.path.realpath(options.out))  # a link stays; what it names is replaced
@@ -632,11 +636,21 @@ def write_run(ranking: Ranking, options: ScoreOptions) -> None:
             handle.writelines(lines)
         if not in_place:
             os.replace(target, out)
+    except BrokenPipeError:
+        if not in_place:
+            raise
+        # /dev/stdout into a pipe whose reader left (`| head`), as with --out -
     except OSError as error:
         raise UserError(f"cannot write {options.out} ({short_reason(error)}); check free space and permissions") from None
     finally:
         if not in_place:
             target.unlink(missing_ok=True)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null after a write to it failed, so that the interpreter's flush at exit, which
+    would try the unwritten rest again, neither fails nor prints."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _written_in_place(out: str) -> bool:

@@ -223,6 +223,24 @@ def test_a_run_to_dev_stdout_reaches_a_pipe_and_a_redirected_file(tmp_path: Path
     assert redirected.returncode == 0 and lines[0] == "line-before" and len(lines) == 1 + rows
 
 
+def test_a_run_to_a_full_or_closed_stdout_is_one_line_and_a_closed_stderr_stops_nothing(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "embedctl.cli", "score", str(QUERIES), str(CORPUS), "--top-k", "1"]
+    with open("/dev/full", "w") as full:
+        to_full = subprocess.run(command, env=ENV, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    closed = subprocess.run(command, env=ENV, stderr=subprocess.PIPE, text=True, timeout=300,
+                            preexec_fn=lambda: os.close(1))
+    assert (to_full.returncode, to_full.stderr.splitlines()[-1]) == (2, "error: cannot write the run to standard output "
+                                                                     "([Errno 28] No space left on device); check free "
+                                                                     "space, or give --out FILE")
+    assert "Traceback" not in to_full.stderr and "Exception ignored" not in to_full.stderr
+    assert (closed.returncode, closed.stderr.strip()) == (2, "error: standard output is closed, and the run goes there "
+                                                             "without --out; give --out FILE")
+    quiet = subprocess.run([*command, "--out", str(tmp_path / "run.jsonl")], env=ENV, capture_output=True, text=True,
+                           timeout=300, preexec_fn=lambda: os.close(2))
+    assert quiet.returncode == 0 and len((tmp_path / "run.jsonl").read_text().splitlines()) == len(
+        QUERIES.read_text().splitlines())
+
+
 def test_out_dash_is_stdout_and_out_inside_a_file_says_so(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "embedctl.cli", "score", str(QUERIES), str(CORPUS), "--top-k", "1", "-o", "-", "-q"]
     dashed = subprocess.run(command, env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -145,6 +145,8 @@ def index(
         _fail(f"--{'overwrite' if overwrite else 'append'} is gone: running again into an existing output updates "
               "it (new rows added, changed rows re-embedded); drop the flag, or pass --rebuild to replace the output",
               report)
+    if quiet and verbose:
+        _fail("--quiet leaves out the summary that --verbose adds to; give one of them", report)
 
     def run() -> None:
         _check_report_path(report)

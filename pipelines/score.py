@@ -306,9 +306,6 @@ def open_inputs(options: ScoreOptions) -> Inputs:
     """Check the options, read the queries and qrels, open the documents: cheap, so before loading a model."""
     if options.top_k < 1:
         raise UserError(f"--top-k {options.top_k}: ask for at least 1 document per query")
-    if options.rerank_depth is not None and options.rerank_depth < options.top_k:
-        raise UserError(f"--rerank-depth {options.rerank_depth} is below --top-k {options.top_k}; "
-                        "rerank at least as many documents as you keep")
     if options.format not in FORMATS:
         raise UserError(f"unknown --format {options.format!r}; use one of {', '.join(FORMATS)}")
     if options.table is not None and options.index is None:
@@ -320,6 +317,15 @@ def open_inputs(options: ScoreOptions) -> Inputs:
     if options.rerank_depth is not None and options.reranker is None:
         raise UserError(f"--rerank-depth {options.rerank_depth} sets how many hits --reranker rescores, and there is "
                         "no --reranker; name the cross-encoder or drop --rerank-depth")
+    if options.tokenizer_processes is not None and options.reranker is None:
+        raise UserError(f"--tokenizer-processes {options.tokenizer_processes} sets the processes that tokenize "
+                        "--reranker's pairs, and there is no --reranker; name the cross-encoder or drop the option")
+    if options.overwrite and options.out is None:
+        raise UserError("--overwrite lets --out replace an existing file, and there is no --out (the run goes to "
+                        "standard output); give --out FILE or drop --overwrite")
+    if options.rerank_depth is not None and options.rerank_depth < options.top_k:
+        raise UserError(f"--rerank-depth {options.rerank_depth} is below --top-k {options.top_k}; "
+                        "rerank at least as many documents as you keep")
     if options.index is not None and options.docs is not None and options.reranker is None:
         raise UserError(f"with --index the vectors come from {options.index}, and DOCS is read only for --reranker's "
                         "texts; drop DOCS, or drop --index to embed DOCS")

@@ -260,6 +260,11 @@ def _empty_source(tmp: Path) -> tuple[list, list[str]]:
     return ["", "--out", "x.lance"], ["an input path is empty; give a file, a directory or a glob"]
 
 
+def _quiet_and_verbose(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl", "--out", "x.lance", "--quiet", "--verbose"], ["--quiet leaves out the summary that --verbose"]
+
+
 def _no_rows_per_commit(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
     return ["docs.jsonl", "--out", "x.lance", "--commit-rows", "0"], ["--commit-rows 0: give a positive number of rows"]
@@ -336,7 +341,7 @@ REFUSED = [_unknown_kind_in_new_folders, _lance_output_that_is_a_file, _folder_o
            _output_inside_its_source, _report_onto_the_output, _table_with_parquet, _unknown_device,
            _device_list_with_an_empty_entry, _device_list_with_the_cpu, _output_under_a_file,
            _output_its_glob_would_match, _output_a_bare_glob_would_match, _report_its_glob_would_read, _empty_source,
-           _no_rows_per_commit]
+           _quiet_and_verbose, _no_rows_per_commit]
 
 
 def test_overlapping_paths_and_impossible_options_are_one_line_and_change_nothing(

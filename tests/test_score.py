@@ -624,10 +624,15 @@ def test_no_pairs_score_nothing_with_workers_running(cross_encoder: Path) -> Non
 
 @pytest.mark.parametrize(("options", "phrase"), [
     (dict(docs=str(CORPUS), rerank_depth=20), "--rerank-depth 20 sets how many hits --reranker rescores, and there is no --reranker"),
+    # the missing reranker is named before a depth below --top-k, which no depth without one would fix
+    (dict(docs=str(CORPUS), rerank_depth=0), "--rerank-depth 0 sets how many hits --reranker rescores, and there is no --reranker"),
+    (dict(docs=str(CORPUS), tokenizer_processes=2), "--tokenizer-processes 2 sets the processes that tokenize --reranker's"),
+    (dict(docs=str(CORPUS), overwrite=True), "--overwrite lets --out replace an existing file, and there is no --out"),
     (dict(index="TABLE", docs=str(CORPUS)), "DOCS is read only for --reranker's texts; drop DOCS"),
     (dict(index="TABLE", doc_prompt="passage: "), "--doc-prompt puts a prompt before documents this run embeds"),
     (dict(index="TABLE", doc_prompt_name="document"), "--doc-prompt-name puts a prompt before documents"),
-], ids=["depth without reranker", "docs beside index", "doc prompt with index", "doc prompt name with index"])
+], ids=["depth without reranker", "zero depth without reranker", "tokenizer processes without reranker",
+        "overwrite without out", "docs beside index", "doc prompt with index", "doc prompt name with index"])
 def test_options_that_would_do_nothing_are_refused(sample_table: Path, options: dict, phrase: str) -> None:
     if options.get("index") == "TABLE":
         options = {**options, "index": str(sample_table)}

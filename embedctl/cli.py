@@ -330,7 +330,7 @@ def serve(
                                                tokenizer_processes=tokenizer_processes, doc_prompt=doc_prompt,
                                                query_prompt=query_prompt, cors_allow_origins=tuple(cors_allow_origin or ())))
 
-    _guarded(run, None)
+    _guarded(run, None, stopped="the server stopped")
 
 
 def _load(model: str | None, config: EngineConfig) -> tuple[Engine, TextTokenizer]:
@@ -349,8 +349,9 @@ def _terminate(signum: int, frame: object) -> NoReturn:
     raise _Terminated
 
 
-def _guarded(run: Callable[[], None], report: Path | None) -> None:
-    """Run a command; user errors, Ctrl-C and SIGTERM become one line and an exit code."""
+def _guarded(run: Callable[[], None], report: Path | None, stopped: str = "no output was changed") -> None:
+    """Run a command; user errors, Ctrl-C and SIGTERM become one line and an exit code (`stopped` says what
+    an interruption leaves)."""
     # For the command's length only, and only where Python allows it (the main thread: not so for a
     # caller that runs the CLI in a thread). embedctl serve's uvicorn puts its own in place once it starts.
     in_main_thread = threading.current_thread() is threading.main_thread()
@@ -364,7 +365,7 @@ def _guarded(run: Callable[[], None], report: Path | None) -> None:
             raise
         _fail("the GPU ran out of memory; lower --max-batch-tokens or --max-seqs and run again", report)
     except KeyboardInterrupt as stop:
-        _interrupted(stop, "no output was changed", report)
+        _interrupted(stop, stopped, report)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

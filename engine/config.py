@@ -101,7 +101,8 @@ class EngineConfig:
             except RuntimeError:  # not a device name torch knows at all
                 device = None
             if device is None or device.type not in ("cpu", "cuda"):
-                raise UserError(f"--device {self.device} is not a device embedctl runs on; use cpu, cuda or cuda:N")
+                raise UserError(f"--device {self.device or repr(self.device)} is not a device embedctl runs on; use cpu, "
+                                "cuda or cuda:N")
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise UserError(f"--device {self.device} asked for a GPU but CUDA is not available here; use --device cpu")
             if device.type == "cuda" and (device.index or 0) >= (count := torch.cuda.device_count()):

@@ -43,7 +43,7 @@ from pipelines.qrels import CUTOFF, Metrics, Qrels, evaluate, read_qrels, trec_o
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
-from pipelines.writers import database_tables, table_parts
+from pipelines.writers import database_tables, setting_name, setting_value, table_parts
 
 FORMATS = ("jsonl", "trec")
 TREC_RUN_TAG = "embedctl"
@@ -274,8 +274,9 @@ class StoredVectors:
                     raise UserError(f"--index {self.path} was built with the same weights but other config, tokenizer "
                                     f"or module files than {engine.files.name}'s (the table names the model "
                                     f"{self.settings.get('model')!r}); {fix}")
-                raise UserError(f"--index {self.path} was built with {key} {self.settings.get(key)!r} but the query "
-                                f"model has {value!r}; {fix}")
+                raise UserError(f"--index {self.path} was built with {setting_name(key)} "
+                                f"{setting_value(self.settings.get(key))} but the query model has {setting_value(value)}; "
+                                f"{fix}")
 
     def chunks(self, rows: int) -> Iterator[tuple[list[str], np.ndarray]]:
         for batch in self._batches(["id", "vector"], rows):

@@ -132,7 +132,7 @@ def lance_table(out: str, table: str | None = None) -> tuple[str, str] | None:
     _check_named(out)
     if table is not None:
         if out.rstrip("/").endswith(".lance"):  # a table's folder; a table inside it would be lost to LanceDB
-            raise UserError(f"--out {out} names a LanceDB table, and --table {table} a table of a database; give "
+            raise UserError(f"--out {out} names a LanceDB table, and --table {table or repr(table)} a table of a database; give "
                             f"--out the database folder that holds the tables, or drop --table")
         db, name, option = out, table, f"--table {table}"
     elif out.rstrip("/").endswith(".lance"):
@@ -614,8 +614,9 @@ def _incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
             if key == "embedctl.files_sha256":
                 return (f"its model's config, tokenizer or module files differ from this run's (sha256 "
                         f"{old_meta[key][:12]}... against {new_meta.get(key, '?')[:12]}...), though its weights are the same")
-            name = key.removeprefix("embedctl.")
-            return f"it was embedded with {name} {old_meta.get(key)!r} and this run's {name} is {new_meta.get(key)!r}"
+            name = setting_name(key)
+            return (f"it was embedded with {name} {setting_value(old_meta.get(key))} and this run's {name} is "
+                    f"{setting_value(new_meta.get(key))}")
     if not old.remove_metadata().equals(new.remove_metadata()):
         return f"its columns are ({_columns(old)}) but this run writes ({_columns(new)})"
     return None
@@ -670,6 +671,18 @@ def _embedctl_metadata(schema: pa.Schema) -> dict[str, str]:
         for k, v in items
         if k.decode().startswith("embedctl.") and k.decode() not in _RUN_SPECIFIC
     }
+
+
+def setting_name(key: str) -> str:
+    """A recorded setting's name as a message shows it: "max length" for embedctl.max_length."""
+    return key.removeprefix("embedctl.").replace("_", " ")
+
+
+def setting_value(value: str | None) -> str:
+    """A recorded setting's value as a message shows it: numbers and words as they are, other text (a prompt) quoted."""
+    if value is None:
+        return "none"
+    return value if re.fullmatch(r"[\w.-]+", value) else repr(value)
 
 
 def _columns(schema: pa.Schema) -> str:

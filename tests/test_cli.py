@@ -168,7 +168,7 @@ def _someone_elses_parquet_folder_with_rebuild(tmp: Path) -> tuple[list, list[st
 def _other_dim(tmp: Path) -> tuple[list, list[str]]:
     _lance_table(tmp)
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
-    return ["docs.jsonl", "--dim", "128"], ["x.lance", "dim '384'", "'128'", "--rebuild"]
+    return ["docs.jsonl", "--dim", "128"], ["x.lance", "dim 384 and this run's dim is 128", "--rebuild"]
 
 
 def _failed_rebuild(tmp: Path) -> tuple[list, list[str]]:

@@ -434,7 +434,7 @@ def test_other_settings_are_refused(tmp_path: Path, engine: Engine) -> None:
     other = Engine.load(None, EngineConfig(normalize=False))
     options = IndexOptions(source=str(tmp_path / "small.jsonl"), out=existing)
     assert_failure_changes_nothing(tmp_path, lambda: run_index(IndexModel.loaded(other), options), UserError,
-                                   "normalize 'true' and this run's normalize is 'false'; pass --rebuild")
+                                   "normalize true and this run's normalize is false; pass --rebuild")
 
 
 def test_the_prompt_goes_before_every_text_and_is_part_of_the_settings(

@@ -644,7 +644,7 @@ def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_d
     options = ScoreOptions(queries=str(QUERIES), index=str(sample_table))
     inputs = open_inputs(options)
     other = embedctl.load(str(minilm_dir), device="cpu", dim=128)
-    with pytest.raises(UserError, match="was built with dim '384' but the query model has '128'"):
+    with pytest.raises(UserError, match="was built with dim 384 but the query model has 128"):
         rank(other.engine, other.tokenizer, inputs.queries, inputs.table, options)
 
 
@@ -768,7 +768,7 @@ def test_score_against_a_table_embeds_queries_with_the_tables_settings(tmp_path:
     assert from_files.returncode == 0, from_files.stderr
     assert [json.loads(line)["doc_id"] for line in from_files.stdout.splitlines()] == [r["doc_id"] for r in rows]
     conflict = embedctl_score(QUERIES, "--index", table, "--model", minilm_dir, "--dim", "64", cwd=tmp_path)
-    assert_one_error_line(conflict, "was built with dim '128' but the query model has '64'", "settings it was built with")
+    assert_one_error_line(conflict, "was built with dim 128 but the query model has 64", "settings it was built with")
 
 
 def test_score_against_a_table_of_another_model_names_that_model(sample_table: Path, tmp_path: Path) -> None:

@@ -141,9 +141,9 @@ def test_other_settings_or_columns_are_refused_and_leave_the_output_byte_identic
         open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.weights_sha256": "def", "embedctl.dim": "8",
                                                                  "embedctl.files_sha256": "fed",
                                                                  "embedctl.model": "other/model"}))
-    with pytest.raises(UserError, match="pooling None and this run's pooling is 'cls'"):
+    with pytest.raises(UserError, match="pooling none and this run's pooling is cls"):
         open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.pooling": "cls"}))
-    with pytest.raises(UserError, match="dim '4' and this run's dim is '8'"):
+    with pytest.raises(UserError, match="dim 4 and this run's dim is 8"):
         open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.dim": "8"}, dim=8))
     with pytest.raises(UserError, match="its columns are .* but this run writes"):
         open_store(**spec(tmp_path, kind), schema=schema(kept=None))

@@ -424,7 +424,9 @@ def _check_paths(report: Path | None, inputs: list[str], out: str | None) -> Non
         here = _local(glob_base(source))
         if here is None or there is None:
             continue
-        if _within(here, there) or (_within(there, here) if source == glob_base(source) else _glob_reads(source, there)):
+        folder = out.endswith("/") or os.path.isdir(there)
+        if _within(here, there) or (_within(there, here) if source == glob_base(source)
+                                    else _glob_reads(source, there, folder)):
             _fail(f"--out {out} and the input {source} overlap, so the output would overwrite or be read as "
                   "input; write the output outside the input", None)
     if report is not None:
@@ -440,10 +442,14 @@ def _check_paths(report: Path | None, inputs: list[str], out: str | None) -> Non
                       "a path of its own", None)
 
 
-def _glob_reads(source: str, path: str) -> bool:
-    """Whether the glob source would read the local real path on a later run."""
+def _glob_reads(source: str, path: str, folder: bool = False) -> bool:
+    """Whether the glob source would read, on a later run, what is written at the local real path: a file, or
+    with folder a folder of Parquet parts, through any of its parts. A Lance output holds no corpus files."""
+    if path.endswith(".lance"):
+        return False
     base = glob_base(source)
-    return glob_reads(_local(base).rstrip("/") + "/" + source[len(base):], path)
+    pattern = _local(base).rstrip("/") + "/" + source[len(base):]
+    return glob_reads(pattern, f"{path}/part-00000.parquet" if folder else path)
 
 
 def _home(path: str | Path | None) -> str | Path | None:

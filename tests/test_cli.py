@@ -250,6 +250,11 @@ def _output_a_bare_glob_would_match(tmp: Path) -> tuple[list, list[str]]:
     return ["*", "--out", "vectors.parquet"], ["--out vectors.parquet and the input * overlap"]
 
 
+def _parts_folder_its_glob_would_read(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "g" / "a.jsonl", good_rows("a"))
+    return ["g/*", "--out", "g/vectors/"], ["--out g/vectors/ and the input g/* overlap"]
+
+
 def _report_its_glob_would_read(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
     return ["d*.jsonl", "--out", "x.lance", "--report", "d-report.jsonl"], [
@@ -340,7 +345,8 @@ REFUSED = [_unknown_kind_in_new_folders, _lance_output_that_is_a_file, _folder_o
            _empty_database_with_a_table, _table_inside_a_table, _root_output, _rebuild_onto_its_source,
            _output_inside_its_source, _report_onto_the_output, _table_with_parquet, _unknown_device,
            _device_list_with_an_empty_entry, _device_list_with_the_cpu, _output_under_a_file,
-           _output_its_glob_would_match, _output_a_bare_glob_would_match, _report_its_glob_would_read, _empty_source,
+           _output_its_glob_would_match, _output_a_bare_glob_would_match, _parts_folder_its_glob_would_read,
+           _report_its_glob_would_read, _empty_source,
            _quiet_and_verbose, _no_rows_per_commit]
 
 
@@ -374,7 +380,8 @@ def test_a_glob_in_the_output_folder_takes_an_output_it_would_never_read(tmp_pat
     write_jsonl(tmp_path / "docs.jsonl", good_rows("a"))
     results = run_side_by_side([(["*.jsonl", "--out", "vectors.lance", "-q"], tmp_path),
                                 (["**/*.jsonl", "--out", "out/vectors.parquet", "-q"], tmp_path),
-                                (["d*.jsonl", "--out", "more.lance", "--report", "report.json", "-q"], tmp_path)])
+                                (["d*.jsonl", "--out", "more.lance", "--report", "report.json", "-q"], tmp_path),
+                                (["*.jsonl", "--out", "parts/", "-q"], tmp_path)])
     for result in results:
         assert result.returncode == 0, result.stderr
     assert lancedb.connect(tmp_path).open_table("vectors").count_rows() == len(good_rows("a"))

@@ -143,6 +143,8 @@ def lance_table(out: str, table: str | None = None) -> tuple[str, str] | None:
     if not _TABLE_NAME.fullmatch(name):
         raise UserError(f"{option}: LanceDB takes only ASCII letters, digits, underscores, hyphens and periods in a "
                         f"table name, not '{name}'; rename it")
+    if not name.strip("."):  # LanceDB reads . and .. as path segments, and refuses them only at the first commit
+        raise UserError(f"{option}: '{name}' is a path segment, not a table name; rename it")
     return db, name
 
 

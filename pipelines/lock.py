@@ -36,14 +36,14 @@ def hold_lock(path: str | None, shown: str) -> Iterator[None]:
         if parent:
             os.makedirs(parent, exist_ok=True)
         fd = _acquire(path, shown)
+    except (FileExistsError, NotADirectoryError) as error:  # a file where a folder of the path should be
+        raise UserError(f"cannot write beside {shown}: {_file_in_the_way(parent) or error.filename} is a file, not "
+                        "a folder; pick another output") from None
     except OSError as error:
         raise UserError(f"cannot write beside {shown} ({error.strerror}: {error.filename}); check that folder's "
                         "permissions, or pick another output") from None
     try:
-        os.ftruncate(fd, 0)
-        holder = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        os.write(fd, json.dumps(holder).encode())
+        _record_holder(fd)
         yield
     finally:
         os.unlink(path)  # before the unlock, so that a waiting run never locks a file about to vanish
@@ -53,6 +53,27 @@ def hold_lock(path: str | None, shown: str) -> Iterator[None]:
                 os.rmdir(folder)
             except OSError:
                 break  # not empty: the output is in it
+
+
+def _record_holder(fd: int) -> None:
+    """Who holds the lock, for the message of a run it refuses. Best effort: the lock is the flock, and a full
+    disk must not fail a run that may have nothing to write."""
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder).encode())
+    except OSError:
+        pass
+
+
+def _file_in_the_way(folder: str) -> str | None:
+    """The first part of folder's path that exists and is not a folder, if any."""
+    parts = folder.split(os.sep)
+    for end in range(1, len(parts) + 1):
+        path = os.sep.join(parts[:end])
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            return path
+    return None
 
 
 def _missing_folders(folder: str) -> list[str]:

@@ -304,7 +304,8 @@ def _device_list_with_the_cpu(tmp: Path) -> tuple[list, list[str]]:
 def _output_under_a_file(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
     (tmp / "plain").write_text("a file, not a folder")
-    return ["docs.jsonl", "--out", "plain/x.lance"], ["cannot write beside plain/x.lance", "pick another output"]
+    return ["docs.jsonl", "--out", "plain/x.lance"], ["cannot write beside plain/x.lance: plain is a file, not a folder; "
+                                                      "pick another output"]
 
 
 def _folder_output_that_is_a_file(tmp: Path) -> tuple[list, list[str]]:

@@ -291,6 +291,25 @@ def test_a_failure_leaves_no_folder_made_for_a_new_output(tmp_path: Path, engine
     assert not (tmp_path / "new").exists()
 
 
+def test_a_lock_whose_holder_record_cannot_be_written_still_guards_the_run(tmp_path: Path, monkeypatch) -> None:
+    """On a full disk the lock file's note of who holds it cannot be written; the flock holds all the same, and a
+    run with nothing to write goes on (it failed with a traceback)."""
+    import errno
+
+    from pipelines import lock
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lock.os, "write", full)
+    path = str(tmp_path / ".x.lance.lock")
+    with lock.hold_lock(path, "x.lance"):
+        with pytest.raises(lock.OutputLocked, match="x.lance is being written by another embedctl run"):
+            with lock.hold_lock(path, "x.lance"):
+                pass
+    assert not (tmp_path / ".x.lance.lock").exists()
+
+
 def test_a_failure_with_worker_processes_leaves_no_output_and_no_process(
         tmp_path: Path, engine: Engine, bad_source: Path, started_workers: None) -> None:
     options = IndexOptions(source=str(bad_source), out=f"{tmp_path}/x.parquet", chunk_rows=7, tokenizer_processes=2)

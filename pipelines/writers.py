@@ -132,8 +132,11 @@ def lance_table(out: str, table: str | None = None) -> tuple[str, str] | None:
     _check_named(out)
     if table is not None:
         if out.rstrip("/").endswith(".lance"):  # a table's folder; a table inside it would be lost to LanceDB
-            raise UserError(f"--out {out} names a LanceDB table, and --table {table or repr(table)} a table of a database; give "
-                            f"--out the database folder that holds the tables, or drop --table")
+            raise UserError(f"--out {out} names a LanceDB table, and --table {table or repr(table)} a table of a "
+                            "database; give --out the database folder that holds the tables, or drop --table")
+        if _parts_in(out):
+            raise UserError(f"--out {out} is a folder of Parquet parts written by embedctl, not a LanceDB database; "
+                            "give the database another folder")
         db, name, option = out, table, f"--table {table}"
     elif out.rstrip("/").endswith(".lance"):
         db, _, base = out.rstrip("/").rpartition("/")
@@ -201,7 +204,33 @@ def _locate(out: str) -> tuple[fsspec.AbstractFileSystem, str, bool]:
     if is_dir and (tables := database_tables(out)):
         raise UserError(f"{out} is a LanceDB database (tables: {', '.join(tables)}), not a folder for Parquet parts; "
                         "pass --table NAME to write a table in it, or give another folder")
+    if is_dir and (others := [name for name in _parquet_names(fs, path) if not _PART_NAME.fullmatch(name)]):
+        # Its parts are all its *.parquet files to a reader (pyarrow, this store): another would be read with
+        # them, and replaced or deleted as one of them.
+        raise UserError(f"{out} holds Parquet files that are not embedctl's parts ({', '.join(others[:3])}"
+                        f"{', ...' if len(others) > 3 else ''}); move them out, or give another folder")
+    if not is_dir and _parts_in(posixpath.dirname(out) or "."):
+        raise UserError(f"--out {out} would lie among the Parquet parts of the embedctl output "
+                        f"{posixpath.dirname(out) or '.'}/, and be read as one of them; pick another folder")
     return fs, path, is_dir
+
+
+def _parquet_names(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+    """The names of the *.parquet files in a folder, but those not yet committed; none where it is no folder."""
+    try:
+        names = [posixpath.basename(p) for p in fs.ls(path.rstrip("/"), detail=False)] if fs.isdir(path) else []
+    except OSError:
+        return []
+    return sorted(name for name in names if name.endswith(".parquet") and not name.startswith(_TMP))
+
+
+def _parts_in(folder: str) -> bool:
+    """Whether a folder (local path or fsspec URL) holds Parquet parts written by embedctl."""
+    try:
+        fs, path = fsspec.core.url_to_fs(folder)
+    except (ValueError, ImportError):
+        return False
+    return any(_PART_NAME.fullmatch(name) for name in _parquet_names(fs, path))
 
 
 def table_parts(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:

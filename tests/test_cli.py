@@ -265,6 +265,29 @@ def _empty_source(tmp: Path) -> tuple[list, list[str]]:
     return ["", "--out", "x.lance"], ["an input path is empty; give a file, a directory or a glob"]
 
 
+def _other_parquet_among_the_parts(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    (tmp / "out").mkdir()
+    pq.write_table(pa.table({"id": ["kept"]}), tmp / "out" / "backup.parquet")  # a store would have deleted it
+    return ["docs.jsonl", "--out", "out/"], ["out/ holds Parquet files that are not embedctl's parts (backup.parquet)"]
+
+
+def _table_in_a_parts_folder(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    (tmp / "mix").mkdir()
+    pq.write_table(pa.table({"id": ["a"]}), tmp / "mix" / "part-00000.parquet")
+    return ["docs.jsonl", "--out", "mix", "--table", "t"], ["--out mix is a folder of Parquet parts written by "
+                                                            "embedctl, not a LanceDB database"]
+
+
+def _parquet_file_among_parts(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    (tmp / "nest").mkdir()
+    pq.write_table(pa.table({"id": ["a"]}), tmp / "nest" / "part-00000.parquet")
+    return ["docs.jsonl", "--out", "nest/latest.parquet"], ["--out nest/latest.parquet would lie among the Parquet "
+                                                            "parts of the embedctl output nest/"]
+
+
 def _quiet_and_verbose(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
     return ["docs.jsonl", "--out", "x.lance", "--quiet", "--verbose"], ["--quiet leaves out the summary that --verbose"]
@@ -348,7 +371,8 @@ REFUSED = [_unknown_kind_in_new_folders, _lance_output_that_is_a_file, _folder_o
            _device_list_with_an_empty_entry, _device_list_with_the_cpu, _output_under_a_file,
            _output_its_glob_would_match, _output_a_bare_glob_would_match, _parts_folder_its_glob_would_read,
            _report_its_glob_would_read, _empty_source,
-           _quiet_and_verbose, _no_rows_per_commit]
+           _quiet_and_verbose, _other_parquet_among_the_parts, _table_in_a_parts_folder,
+           _parquet_file_among_parts, _no_rows_per_commit]
 
 
 def test_overlapping_paths_and_impossible_options_are_one_line_and_change_nothing(

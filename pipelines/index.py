@@ -54,7 +54,7 @@ from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
 from pipelines.writers import (VectorStore, check_commit_rows, check_output, lance_table, lock_file, open_store,
-                               output_schema)
+                               output_schema, stored_kept)
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -254,6 +254,9 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
     flow = _Flow()
     store: VectorStore | None = None
     try:
+        if options.keep and not options.rebuild and (kept := stored_kept(options.out, options.table)) is not None \
+                and set(kept.names) == set(reader.keep):
+            reader.follow(kept, f"the existing output {options.out}")
         chunks = flow.stage(iter(reader))
         first = next(chunks, None)
         if options.keep and reader.kept_schema is None:

@@ -107,6 +107,17 @@ class CorpusReader:
         if len(parquet) == len(self._files):
             self.total_rows = sum(f.rows for f in parquet)
 
+    def follow(self, stored: pa.Schema, origin: str) -> None:
+        """Keep the columns of an output this run updates (stored, holding the same names as keep) in its order,
+        and for a JSONL corpus in its types: --keep b --keep a then matches a table made with --keep a --keep b,
+        and a key null throughout the first chunk keeps the type stored rather than becoming text. origin names
+        the output in the message for a value that does not fit."""
+        self.keep = stored.names
+        if self._kept_schema is not None:  # typed by the Parquet files' own schemas: only the order
+            self._kept_schema = pa.schema([self._kept_schema.field(name) for name in stored.names])
+        else:
+            self._kept_schema, self._typed_by = stored, origin
+
     @property
     def kept_schema(self) -> pa.Schema | None:
         """The schema of every chunk's kept table: known from the Parquet footers once constructed; for JSONL

@@ -51,6 +51,9 @@ _LANCE_PREFIX = re.compile(r"^lance error: LanceError\(\w+\): ")
 _TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # the table names LanceDB accepts
 
 
+_BASE_COLUMNS = 5  # id, vector, n_tokens, truncated, content_key: output_schema's first columns
+
+
 def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
                   vector_type: pa.DataType | None = None) -> pa.Schema:
     """id, vector (vector_type, float32 by default, x dim), n_tokens, truncated, content_key, then the
@@ -68,6 +71,27 @@ def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
         if field.name in {f.name for f in fields}:
             raise UserError(f"--keep {field.name}: the output already has a '{field.name}' column; drop it from --keep")
     return pa.schema([*fields, *(field.with_nullable(True) for field in kept or [])], metadata=metadata)
+
+
+def stored_kept(out: str, table: str | None = None) -> pa.Schema | None:
+    """The kept columns of the output at out as it stands (output_schema's columns after the first five); None
+    where there is no output yet, or one that open_store will refuse (it says why)."""
+    try:
+        if (lance := lance_table(out, table)) is not None:
+            import lancedb
+
+            schema = lancedb.connect(lance[0]).open_table(lance[1]).schema
+        else:
+            fs, path, is_dir = _locate(out)
+            files = table_parts(fs, path.rstrip("/")) if is_dir and fs.isdir(path) else [path] if fs.isfile(path) else []
+            if not files:
+                return None
+            schema = _read_schema(fs, files[0], out)
+    except (UserError, ValueError, RuntimeError, OSError, ImportError):
+        return None
+    if CONTENT_KEY not in schema.names:  # not embedctl's
+        return None
+    return pa.schema(list(schema)[_BASE_COLUMNS:])
 
 
 def _refuse_empty_objects(kept: Iterable[pa.Field]) -> None:

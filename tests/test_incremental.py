@@ -216,6 +216,28 @@ def test_a_text_emptied_in_the_source_deletes_its_old_vector_without_prune(work:
         assert_same_rows(read(work, out), fresh)
 
 
+def test_a_rerun_keeps_the_kept_columns_types_and_order_of_its_output(work: Path) -> None:
+    """A JSONL key's type is guessed from the run's first chunk, but an output being updated already has one: a new
+    file whose first rows are all null there kept the column an int on no output and failed the next run, which
+    typed it as text; and the same --keep names in another order asked for a --rebuild."""
+    (work / "k").mkdir()
+    write_jsonl(work / "k" / "b.jsonl", [{**row, "year": 2000 + i, "lang": "en"} for i, row in
+                                         enumerate(documents(30, seed=9, prefix="k"))])
+    outputs = ["k.lance", "k.parquet", "kdir/"]
+    side_by_side(work, *[("k", out, "--keep", "year", "--keep", "lang") for out in outputs])
+    write_jsonl(work / "k" / "a.jsonl", [{"id": "k-null", "text": "a year not known", "year": None, "lang": None}])
+    side_by_side(work, *[("k", out, "--keep", "lang", "--keep", "year", "--report", f"k{n}.json")
+                         for n, out in enumerate(outputs)])
+    for n, out in enumerate(outputs):
+        table = read(work, out)
+        assert (table.schema.field("year").type, table.schema.names[-2:]) == (pa.int64(), ["year", "lang"]), out
+        assert (report(work, f"k{n}.json")["added"], table.num_rows) == (1, 31), out
+    write_jsonl(work / "k" / "c.jsonl", [{"id": "k-half", "text": "half a year", "year": 2000.5, "lang": "en"}])
+    assert_one_error_line(run(work, "k", "k.lance", "--keep", "year", "--keep", "lang"),
+                          "k/c.jsonl line 1: --keep key 'year' does not fit the type int64 that the existing output "
+                          "k.lance gave it")
+
+
 def test_other_settings_are_refused_and_rebuild_replaces(work: Path) -> None:
     write_jsonl(work / "s.jsonl", documents(200, seed=3))
     side_by_side(work, ("s.jsonl", "s.lance"))

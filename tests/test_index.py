@@ -602,8 +602,11 @@ def test_an_empty_first_export_with_kept_columns_does_not_block_the_next_runs(tm
     assert not (tmp_path / f"j{out}").exists()
     assert index(engine, full, f"{tmp_path}/j{out}", keep=("title",)).added == 1
 
-    for flag in ("prune", "rebuild"):  # an empty export is refused as it is without --keep, not "not written"
-        with pytest.raises(UserError, match=f"the source holds no rows, so --{flag} has nothing to leave in"):
+    # an empty export is refused as it is without --keep, not "not written" (updating, the kept types are the output's)
+    refusals = {"prune": "the source holds no rows with text, so --prune would delete 1 of the 1 stored in",
+                "rebuild": "the source holds no rows, so --rebuild has nothing to leave in"}
+    for flag, refusal in refusals.items():
+        with pytest.raises(UserError, match=refusal):
             index(engine, tmp_path / "empty.jsonl", f"{tmp_path}/j{out}", keep=("title",), **{flag: True})
     assert read_output(f"{tmp_path}/j{out}").column("id").to_pylist() == ["a"]
     assert index(engine, tmp_path / "empty.parquet", f"{tmp_path}/p{out}", keep=("title",)).not_written is None

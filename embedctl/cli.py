@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 # rich_markup_mode=None: click's plain help. Typer's rich help table squeezes the option-name column
 # until, at 80 columns, long names are cut ("--tokenizer-pr…"); click's keeps every name whole at any width.
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Fast text embeddings: index corpora into vector tables, rank documents for queries.")
 
 EXIT_USER_ERROR = 2
@@ -236,8 +237,13 @@ def score(
     max_length: MaxLengthOpt = None,
     dim: DimOpt = None,
     max_batch_tokens: BatchTokensOpt = None,
+    max_seqs: MaxSeqsOpt = 512,
+    lanes: LanesOpt = EngineConfig.lanes,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    attention: AttentionOpt = "auto",
+    eager: EagerOpt = False,
+    fuse: CompileOpt = True,
     tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize the reranker's pairs in N worker processes when there are 16 or more, 0 in this one (default: one per 2 cores when the reranker runs on a GPU and there are at least 8 cores, else 0).")] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the summary and metrics as JSON to this file.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
@@ -261,7 +267,8 @@ def score(
                                query_prompt_name=query_prompt_name, doc_prompt_name=doc_prompt_name,
                                tokenizer_processes=tokenizer_processes)
         inputs = open_inputs(options)  # bad inputs should not wait for a model to load
-        config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens)  # the reranker's
+        config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
+                              cuda_graphs=not eager, compile=fuse, attention=attention, lanes=lanes)  # the reranker's
         query_config = replace(config, max_length=max_length, dim=dim)
         if inputs.table is not None:  # queries embedded as the table's documents were (dim, max length, ...)
             query_config = inputs.table.query_config(ModelSpec.of(resolve_model(model), query_config), query_config)

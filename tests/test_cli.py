@@ -489,10 +489,19 @@ def test_the_bare_command_prints_its_help(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command, option", [("index", "--lanes"), ("serve", "--lanes"), ("score", "--top-k")])
-def test_help_exits_zero(tmp_path: Path, command: str, option: str) -> None:
-    result = run_cli(command, "--help", cwd=tmp_path)
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_exits_zero(tmp_path: Path, command: str, option: str, flag: str) -> None:
+    result = run_cli(command, flag, cwd=tmp_path)
     assert result.returncode == 0 and result.stderr == ""
     assert f"Usage: embedctl {command}" in result.stdout and option in result.stdout
+
+
+def test_every_command_that_loads_a_model_takes_the_engine_options(tmp_path: Path) -> None:
+    engine_options = ["--device", "--dtype", "--max-batch-tokens", "--max-seqs", "--lanes", "--attention", "--eager",
+                      "--compile"]
+    for command in ("index", "score", "serve"):
+        shown = run_cli(command, "--help", cwd=tmp_path).stdout
+        assert [option for option in engine_options if option not in shown] == [], command
 
 
 @pytest.mark.parametrize("width", [80, 60])

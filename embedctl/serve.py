@@ -609,7 +609,7 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
     app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize, options.tokenizer_processes,
                      {"document": options.doc_prompt, "query": options.query_prompt})
     server = uvicorn.Server(uvicorn.Config(with_cors(app, options.cors_allow_origins), access_log=options.access_log,
-                                           timeout_graceful_shutdown=DRAIN_SECONDS))
+                                           timeout_graceful_shutdown=DRAIN_SECONDS, use_colors=log_colors()))
     shown_host = f"[{options.host}]" if ":" in options.host else options.host  # an IPv6 address, as a URL writes it
     server_log.info("embedctl serve: %s on %s, dim %d, max length %d, at http://%s:%d (docs at /docs)",
                     engine.files.name, engine.device, engine.dim, engine.max_length, shown_host, sock.getsockname()[1])
@@ -625,6 +625,12 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
         # A second Ctrl-C quits without the app's shutdown; its scheduler thread, still inside a step, and
         # its workers then met the interpreter's exit and aborted the process (SIGABRT).
         app.close()
+
+
+def log_colors() -> bool | None:
+    """uvicorn's use_colors: never where NO_COLOR is set (no-color.org, as the progress bars of index and score
+    follow it), else None: on a terminal only."""
+    return False if os.environ.get("NO_COLOR") else None
 
 
 def with_cors(app: _Front, origins: Sequence[str]) -> ASGIApp:

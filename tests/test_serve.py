@@ -616,6 +616,15 @@ def test_tokenize_refuses_more_tokens_than_it_answers_at_once(random_bert: Path,
         "inputs hold 13 tokens, and /tokenize answers at most 12 per request; send less text per request", "Validation")
 
 
+def test_no_color_turns_off_the_colours_of_the_server_log(monkeypatch) -> None:
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert serve_module.log_colors() is None  # uvicorn's own choice: colours on a terminal
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert serve_module.log_colors() is False
+    monkeypatch.setenv("NO_COLOR", "")  # set but empty means nothing (no-color.org)
+    assert serve_module.log_colors() is None
+
+
 def test_cors_lets_a_listed_origins_scripts_call_with_the_key_and_no_other(random_bert: Path) -> None:
     """A browser asks first (a preflight, which carries no key), then sends the request with the key."""
     engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))

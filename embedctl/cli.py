@@ -89,7 +89,7 @@ DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (def
 IndexDeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda or cuda:N, or several GPUs as cuda:0,cuda:1, each running a copy of the model (default: cuda when present).")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU).")]
 # The engine's options, the same for every command that loads a model.
-BatchTokensOpt = Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU).")]
+BatchTokensOpt = Annotated[Optional[int], typer.Option(help="Token budget per engine step (default: 16384 on GPU, 2048 on CPU, raised to the model's max length).")]
 MaxSeqsOpt = Annotated[int, typer.Option(help="Sequences per engine step.")]
 LanesOpt = Annotated[int, typer.Option(help="CUDA streams that batches in flight run on at once (GPU only).")]
 MaxLengthOpt = Annotated[Optional[int], typer.Option(help="Truncate at this many tokens, at most the model's positions (default: the model's max length).")]
@@ -107,7 +107,7 @@ def index(
     model: ModelOpt = None,
     text_col: Annotated[str, typer.Option(help="Column holding the text.")] = "text",
     id_col: Annotated[str, typer.Option(help="Column holding the id; when absent, ids are file:row.")] = "id",
-    keep: Annotated[Optional[list[str]], typer.Option(help="Carry this input column into the output (repeatable).")] = None,
+    keep: Annotated[Optional[list[str]], typer.Option(metavar="COL", help="Carry this input column into the output (repeat for more: --keep a --keep b).")] = None,
     rebuild: Annotated[bool, typer.Option(help="Re-embed every row and replace --out at the end, atomically (to change the model or its settings).")] = False,
     prune: Annotated[bool, typer.Option(help="Delete rows whose ids are no longer in SOURCE (refused when SOURCE holds no rows at all).")] = False,
     commit_rows: Annotated[int, typer.Option(help="Commit every N embedded rows: a killed run loses what it embedded since its last commit, and the same command resumes.")] = 10_000,

@@ -417,6 +417,9 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
                 _refuse_other_compression(path)
                 raise UserError(f"{path} is not a {_SUFFIX_LIST} file; rename it or convert it")
             return fs, [_File(root, path, posixpath.basename(root))]
+        elif fs.exists(root):  # a pipe (/dev/stdin, <(...)) or a device: read once, with no name to tell its format
+            raise UserError(f"{path} is not a regular file (a pipe or a device); save it to a {_SUFFIX_LIST} file and "
+                            "give that")
         else:
             raise UserError(f"{path} does not exist; give a file, a directory or a glob of {_SUFFIX_LIST} files")
     except OSError as e:

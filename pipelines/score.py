@@ -334,6 +334,11 @@ def open_inputs(options: ScoreOptions) -> Inputs:
         flag = "--doc-prompt" if options.doc_prompt is not None else "--doc-prompt-name"
         raise UserError(f"{flag} puts a prompt before documents this run embeds, and with --index it embeds none (the "
                         f"table's vectors carry the prompt they were indexed with); drop {flag}")
+    if options.reranker is not None and not options.reranker.strip():
+        raise UserError(f"--reranker {options.reranker!r} names no model; give the cross-encoder's directory or hub id, "
+                        "or drop --reranker")
+    if options.out is not None and not options.out.strip():
+        raise UserError(f"--out {options.out!r} names no file; give a file path, or - (or no --out) for standard output")
     if options.out is not None:
         _check_out(Path(options.out), options.overwrite)
     queries = _read_queries(options)

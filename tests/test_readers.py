@@ -3,6 +3,7 @@
 import codecs
 import gzip
 import json
+import os
 from decimal import Decimal
 
 import fsspec
@@ -365,6 +366,13 @@ def test_a_reader_reads_only_the_columns_it_needs(tmp_path):
 def test_missing_path(tmp_path):
     message = error(path=f"{tmp_path}/nope")
     assert f"{tmp_path}/nope does not exist" in message
+
+
+def test_a_pipe_is_named_as_one_rather_than_missing(tmp_path):
+    os.mkfifo(tmp_path / "queries")  # what /dev/stdin and <(...) are when piped into
+    assert error(path=str(tmp_path / "queries")) == (f"{tmp_path}/queries is not a regular file (a pipe or a device); "
+                                                     "save it to a .parquet, .jsonl, .ndjson, .jsonl.gz or .ndjson.gz "
+                                                     "file and give that")
 
 
 def test_directory_without_corpus_files(tmp_path):

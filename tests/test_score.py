@@ -640,6 +640,16 @@ def test_options_that_would_do_nothing_are_refused(sample_table: Path, options: 
         open_inputs(ScoreOptions(queries=str(QUERIES), **options))
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(reranker=""), "--reranker '' names no model; give the cross-encoder's directory or hub id, or drop --reranker"),
+    (dict(out=""), "--out '' names no file; give a file path, or - (or no --out) for standard output"),
+], ids=["reranker", "out"])
+def test_an_empty_name_is_named_as_given(options: dict, message: str) -> None:
+    with pytest.raises(UserError) as refused:
+        open_inputs(ScoreOptions(queries=str(QUERIES), docs=str(CORPUS), **options))
+    assert str(refused.value) == message
+
+
 def test_index_built_with_other_settings_is_refused(sample_table: Path, minilm_dir: Path) -> None:
     options = ScoreOptions(queries=str(QUERIES), index=str(sample_table))
     inputs = open_inputs(options)

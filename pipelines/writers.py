@@ -228,7 +228,9 @@ def _locate(out: str) -> tuple[fsspec.AbstractFileSystem, str, bool]:
     if is_dir and (tables := database_tables(out)):
         raise UserError(f"{out} is a LanceDB database (tables: {', '.join(tables)}), not a folder for Parquet parts; "
                         "pass --table NAME to write a table in it, or give another folder")
-    if is_dir and (others := [name for name in _parquet_names(fs, path) if not _PART_NAME.fullmatch(name)]):
+    names = _parquet_names(fs, path) if is_dir else []
+    others = [name for name in names if not _PART_NAME.fullmatch(name)]
+    if others and len(others) < len(names):  # a folder of someone else's files alone: _refuse_foreign says so
         # Its parts are all its *.parquet files to a reader (pyarrow, this store): another would be read with
         # them, and replaced or deleted as one of them.
         raise UserError(f"{out} holds Parquet files that are not embedctl's parts ({', '.join(others[:3])}"

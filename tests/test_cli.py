@@ -268,6 +268,7 @@ def _empty_source(tmp: Path) -> tuple[list, list[str]]:
 def _other_parquet_among_the_parts(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
     (tmp / "out").mkdir()
+    pq.write_table(pa.table({"id": ["a"]}), tmp / "out" / "part-00000.parquet")
     pq.write_table(pa.table({"id": ["kept"]}), tmp / "out" / "backup.parquet")  # a store would have deleted it
     return ["docs.jsonl", "--out", "out/"], ["out/ holds Parquet files that are not embedctl's parts (backup.parquet)"]
 

@@ -113,6 +113,7 @@ class IndexReport:
     load_seconds: float = 0.0  # loading the model, when a row needed it
     graphs: dict = field(default_factory=dict)
     not_written: str | None = None  # why the run left the output alone, when it could not write it
+    dropped_indexes: list[str] = field(default_factory=list)  # a LanceDB table's indexes that a rebuild replaced
 
     @property
     def skipped(self) -> int:
@@ -129,9 +130,11 @@ class IndexReport:
         written = f"{self.output} not written: {self.not_written}" if self.not_written else self.output
         numbered = (f"; the rows of {plural(self.numbered_files, 'file')} numbered FILE:ROW for want of an id column"
                     if self.numbered_files else "")
+        dropped = (f"; the rebuilt table has none of the old one's indexes ({', '.join(self.dropped_indexes)}): "
+                   "create them again" if self.dropped_indexes else "")
         return (f"{plural(self.rows_written + self.unchanged, 'row')}: {self.added:,} added, {self.updated:,} updated, "
                 f"{self.unchanged:,} unchanged, {self.deleted:,} deleted; {embedded}; {self.truncated:,} truncated, "
-                f"{self.skipped:,} skipped{numbered} -> {written}")
+                f"{self.skipped:,} skipped{numbered} -> {written}{dropped}")
 
     def _load(self) -> str:
         return f", after {self.load_seconds:.1f} s loading the model" if self.load_seconds else ""
@@ -296,6 +299,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
                             f"{len(store.existing):,} stored in {options.out}; check the source (an empty export?), "
                             "or remove the output to start it empty")
         report.deleted = store.finish(source, options.prune, emptied)
+        report.dropped_indexes = list(store.dropped_indexes)
     except BaseException:
         flow.cancel()
         if store is not None:

@@ -23,7 +23,7 @@ import os
 import posixpath
 import re
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from typing import Protocol
@@ -117,6 +117,7 @@ class VectorStore(Protocol):
     existing: dict[str, str]  # id -> content_key of every row committed before this run
     replaced: set[str]  # with rebuild, the ids of the output the replacement takes the place of; else empty
     committed_rows: int  # rows this run committed, which a run stopped before finish keeps (a rebuild: staged)
+    dropped_indexes: Sequence[str]  # after finish: the indexes of a LanceDB table that a rebuild replaced
 
     def write(self, batch: pa.RecordBatch) -> None: ...
 
@@ -372,6 +373,7 @@ class _LanceStore:
             _check_compatible(shown, self._table.schema, schema)
         self._groups = _Groups(schema, commit_rows)
         self.committed_rows = 0
+        self.dropped_indexes: list[str] = []
         self.existing: dict[str, str] = {}
         if self._table is not None:
             stored = self._table.to_lance().to_table(columns=["id", CONTENT_KEY])
@@ -415,6 +417,11 @@ class _LanceStore:
                 quoted = ", ".join("'" + row_id.replace("'", "''") + "'" for row_id in gone[start:start + _DELETE_IDS])
                 self._table.delete(f"id IN ({quoted})")
             if replace:
+                # Overwritten, the table loses the indexes built on it (LanceDB keeps no recipe to rebuild an ANN
+                # index by): named in the summary, rather than left for slow queries to reveal.
+                old = self._open(self._name)
+                self.dropped_indexes = [f"{index.name}: {index.index_type} on {', '.join(index.columns)}"
+                                        for index in (old.list_indices() if old is not None else [])]
                 rows = self._table.to_lance().scanner().to_reader()
                 self._db.create_table(self._name, data=rows, schema=self._schema, mode="overwrite")
                 self._db.drop_table(self._target)
@@ -427,6 +434,8 @@ class _LanceStore:
 class _ParquetDirStore:
     """A directory whose *.parquet files are the table (other files are left alone); each group is a new
     part. A rebuild stages its parts in DIR/.rebuild and moves them in at finish, after the old parts."""
+
+    dropped_indexes: Sequence[str] = ()  # Parquet holds no indexes
 
     def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema,
                  rebuild: bool, commit_rows: int) -> None:
@@ -514,6 +523,8 @@ class _ParquetDirStore:
 
 class _ParquetFileStore:
     """One Parquet file, rewritten whole beside the output and renamed onto it at finish."""
+
+    dropped_indexes: Sequence[str] = ()  # Parquet holds no indexes
 
     def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema, rebuild: bool) -> None:
         self._shown, self._fs, self._path, self._schema = shown, fs, path, schema

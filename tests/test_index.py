@@ -614,6 +614,22 @@ def test_an_empty_first_export_with_kept_columns_does_not_block_the_next_runs(tm
     assert read_output(f"{tmp_path}/p{out}").select(["id", "title"]).to_pylist() == [{"id": "a", "title": "A title"}]
 
 
+def test_a_rebuild_names_the_indexes_the_table_it_replaces_had(tmp_path: Path, engine: Engine) -> None:
+    """LanceDB's overwrite leaves none of a table's indexes, and an ANN index's training options are not kept
+    to build it again by: the summary says so, rather than queries turning slow without a word."""
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(5)])
+    out = f"{tmp_path}/x.lance"
+    assert index(engine, source, out).dropped_indexes == []
+    lancedb.connect(tmp_path).open_table("x").create_scalar_index("id")
+    rebuilt = index(engine, source, out, rebuild=True)
+    assert rebuilt.dropped_indexes == ["id_idx: BTree on id"]
+    assert rebuilt.summary().endswith("; the rebuilt table has none of the old one's indexes (id_idx: BTree on id): "
+                                      "create them again")
+    assert lancedb.connect(tmp_path).open_table("x").list_indices() == []
+    assert index(engine, source, out, rebuild=True).dropped_indexes == []
+    assert index(engine, source, f"{tmp_path}/x.parquet", rebuild=True).dropped_indexes == []
+
+
 def test_a_database_folder_with_a_trailing_slash_takes_a_table(tmp_path: Path, engine: Engine) -> None:
     source = write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "A text."}])
     options = IndexOptions(source=str(source), out=f"{tmp_path}/db/", table="docs")

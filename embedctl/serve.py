@@ -469,6 +469,11 @@ def _texts_or_token_ids(value: Any) -> Any:
     raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
+def _encoded(rows: list[tuple[np.ndarray, bool]]) -> Encoded:
+    """(ids, truncated) of each input as one Encoded."""
+    return Encoded(ids=[ids for ids, _ in rows], truncated=[truncated for _, truncated in rows])
+
+
 def _id_lists(ids: list[int] | list[list[int]]) -> list[list[int]]:
     """One token-id list, or a list of them, as a list of them."""
     return [ids] if ids and isinstance(ids[0], int) else ids
@@ -833,9 +838,7 @@ class _Service:
     async def run_ids(self, sequences: list[list[int]], field: str, truncate: bool) -> tuple[np.ndarray, int]:
         """Check the token-id lists; the rows and token count of each, cut at the max length as a text is."""
         self.check_token_ids(sequences, field)
-        limit = self.engine.max_length
-        encoded = Encoded(ids=[self.tokenizer.cut_ids(ids, limit) for ids in sequences],
-                          truncated=[len(ids) > limit for ids in sequences])
+        encoded = _encoded([self.cut(ids) for ids in sequences])
         self.check_encoded(encoded, field=field, truncate=truncate)
         return await self.rows(self.submit(encoded)), _token_count(encoded)
 
@@ -855,12 +858,14 @@ class _Service:
         for i, item in enumerate(inputs):
             (self.check_text if isinstance(item, str) else self.check_ids)(item, f"{field}[{i}]")
         texts = await self.tokenize(self.tokenizer.encode, [prompt + item for item in inputs if isinstance(item, str)])
-        tokenized, limit = iter(zip(texts.ids, texts.truncated)), self.engine.max_length
-        rows = [next(tokenized) if isinstance(item, str) else (self.tokenizer.cut_ids(item, limit), len(item) > limit)
-                for item in inputs]
-        encoded = Encoded(ids=[ids for ids, _ in rows], truncated=[truncated for _, truncated in rows])
+        tokenized = iter(zip(texts.ids, texts.truncated))
+        encoded = _encoded([next(tokenized) if isinstance(item, str) else self.cut(item) for item in inputs])
         self.check_encoded(encoded, field=field, truncate=truncate)
         return await self.rows(self.submit(encoded))
+
+    def cut(self, ids: list[int]) -> tuple[np.ndarray, bool]:
+        """A token-id list cut at the max length as a text is, and whether it was."""
+        return self.tokenizer.cut_ids(ids, self.engine.max_length), len(ids) > self.engine.max_length
 
     async def tokenize_and_run(self, texts: Sequence[str], check: Callable[[Encoded, int], None],
                                seconds: Sequence[str] | None = None,

@@ -51,9 +51,6 @@ _LANCE_PREFIX = re.compile(r"^lance error: LanceError\(\w+\): ")
 _TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # the table names LanceDB accepts
 
 
-_BASE_COLUMNS = 5  # id, vector, n_tokens, truncated, content_key: output_schema's first columns
-
-
 def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
                   vector_type: pa.DataType | None = None) -> pa.Schema:
     """id, vector (vector_type, float32 by default, x dim), n_tokens, truncated, content_key, then the
@@ -74,7 +71,7 @@ def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
 
 
 def stored_kept(out: str, table: str | None = None) -> pa.Schema | None:
-    """The kept columns of the output at out as it stands (output_schema's columns after the first five); None
+    """The kept columns of the output at out as it stands (those output_schema adds to its own); None
     where there is no output yet, or one that open_store will refuse (it says why)."""
     try:
         if (lance := lance_table(out, table)) is not None:
@@ -91,7 +88,8 @@ def stored_kept(out: str, table: str | None = None) -> pa.Schema | None:
         return None
     if CONTENT_KEY not in schema.names:  # not embedctl's
         return None
-    return pa.schema(list(schema)[_BASE_COLUMNS:])
+    ours = set(output_schema(1, None, {}).names)
+    return pa.schema([field for field in schema if field.name not in ours])
 
 
 def _refuse_empty_objects(kept: Iterable[pa.Field]) -> None:

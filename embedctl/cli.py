@@ -520,18 +520,24 @@ def main() -> None:
     try:
         code = app(prog_name="embedctl", standalone_mode=False)  # a command's exit code, None when it returns
     except typer.TyperException as error:  # the base of the click errors in the click that typer bundles
-        typer.echo(_click_error(error), err=True)
+        typer.echo(_click_error(error, sys.argv[1:]), err=True)
         code = error.exit_code
     sys.exit(code)
 
 
-def _click_error(error: typer.TyperException) -> str:
+def _click_error(error: typer.TyperException, args: list[str]) -> str:
     """What to print for a click error: one line, or for bare `embedctl` its help."""
     if type(error).__name__ == "NoArgsIsHelpError":  # by name, as typer does: the class is private
         return error.format_message()  # the help text
     message = " ".join(error.format_message().splitlines()).rstrip(".")
-    ctx = getattr(error, "ctx", None)  # usage errors know their command
-    return f"error: {message}" + (f" (see {ctx.command_path} --help)" if ctx is not None else "")
+    ctx = getattr(error, "ctx", None)  # usage errors know their command, but for an option's missing value
+    if ctx is not None:
+        command_path = ctx.command_path
+    else:  # the parser found it before any context: the command is the first argument, if it names one
+        command = next((arg for arg in args if not arg.startswith("-")), None)
+        commands = {info.name or info.callback.__name__ for info in app.registered_commands}
+        command_path = "embedctl" + (f" {command}" if command in commands else "")
+    return f"error: {message} (see {command_path} --help)"
 
 
 if __name__ == "__main__":

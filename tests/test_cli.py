@@ -468,6 +468,8 @@ USAGE_ERRORS = {
     "unknown option": (["index", "docs.jsonl", "--out", "x.lance", "--frobnicate"],
                        ["error: No such option: --frobnicate", "(see embedctl index --help)"]),
     "missing argument": (["index"], ["error: Missing argument 'SOURCE' (see embedctl index --help)"]),
+    "missing option value": (["index", "docs.jsonl", "--out"],
+                             ["error: Option '--out' requires an argument (see embedctl index --help)"]),
     "bad choice": (["index", "docs.jsonl", "--out", "x.lance", "--on-long", "sometimes"],
                    ["'--on-long'", "'sometimes' is not one of 'truncate', 'error'", "(see embedctl index --help)"]),
     "not a number": (["score", "queries.jsonl", "docs.jsonl", "--top-k", "many"], ["'--top-k'", "(see embedctl score --help)"]),

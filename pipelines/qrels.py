@@ -68,16 +68,28 @@ class Metrics:
 def read_qrels(path: str, query_ids: Sequence[str]) -> Qrels:
     """The judgements in path; a query the run does not have is an error (a wrong file or id column)."""
     try:
-        with fsspec.open(path, "rt", encoding="utf-8-sig") as handle:  # -sig: a byte order mark is not part of line 1
+        # -sig: a byte order mark is not part of line 1; infer: qrels.txt.gz is read as the corpus's .jsonl.gz are
+        with fsspec.open(path, "rt", encoding="utf-8-sig", compression="infer") as handle:
             lines = handle.read().splitlines()
-    except (OSError, ValueError, UnicodeDecodeError) as error:
+    except UnicodeDecodeError:
+        raise UserError(f"cannot read --qrels {path}: it is not UTF-8 text; give a TREC qrels or JSONL qrels file "
+                        "(plain or gzip-compressed as .gz)") from None
+    except (OSError, ValueError, EOFError) as error:
         raise UserError(f"cannot read --qrels {path} ({short_reason(error)}); check the path") from None
     qrels: Qrels = {}
+    first_lines: dict[tuple[str, str], int] = {}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         query_id, doc_id, relevance = _parse(path, number, line)
-        qrels.setdefault(query_id, {})[doc_id] = relevance
+        judged = qrels.setdefault(query_id, {})
+        if judged.get(doc_id, relevance) != relevance:
+            # trec_eval refuses any repeated judgement; one repeated as it was changes nothing and passes here.
+            raise UserError(f"--qrels {path} line {number}: query {query_id!r} document {doc_id!r} is judged "
+                            f"{relevance} here and {judged[doc_id]} on line {first_lines[query_id, doc_id]}; "
+                            "keep one judgement per pair")
+        judged[doc_id] = relevance
+        first_lines.setdefault((query_id, doc_id), number)
     if not qrels:
         raise UserError(f"--qrels {path} holds no judgements; give a TREC qrels or JSONL qrels file")
     known = set(query_ids)

@@ -564,6 +564,11 @@ def document_texts(inputs: Inputs, wanted: set[str]) -> dict[str, str]:
         texts.update((doc_id, text) for doc_id, text in zip(chunk.ids, chunk.texts)
                      if doc_id in wanted and not _blank(text))
     missing = wanted - texts.keys()
+    if missing and inputs.table is None:
+        raise UserError(f"{plural(len(missing), 'ranked document')} {'is' if len(missing) == 1 else 'are'} no longer "
+                        f"in {inputs.docs.files[0]}{' and the other files' if len(inputs.docs.files) > 1 else ''} "
+                        f"(first: {min(missing)!r}): DOCS changed while the run read it; run score again once "
+                        "the documents are written")
     if missing:
         raise UserError(f"{plural(len(missing), 'document')} of --index {inputs.table.path} "
                         f"{'is' if len(missing) == 1 else 'are'} not in {inputs.docs.files[0]}"
@@ -666,14 +671,18 @@ def _quiet_stdout() -> None:
 
 
 def _written_in_place(out: str) -> bool:
-    """Whether --out is written into rather than replaced: a FIFO, a device, or a name under /dev or
-    /proc (/dev/stdout is a pipe, a terminal, or the file a shell redirected it to)."""
-    if os.path.abspath(out).startswith(("/dev/", "/proc/")):
+    """Whether --out is written into rather than replaced: a FIFO, a device, or a name of an open file
+    descriptor (/dev/stdout is a pipe, a terminal, or the file a shell redirected it to). A file under
+    /dev/shm is a file like any other."""
+    if _DESCRIPTOR_PATH.fullmatch(os.path.abspath(out)):
         return True
     try:
         return not stat.S_ISREG(os.stat(out).st_mode)  # follows links; a folder was refused up front
     except OSError:
         return False  # not there yet (or a dangling link): a new file
+
+
+_DESCRIPTOR_PATH = re.compile(r"/dev/(?:stdin|stdout|stderr|fd/\d+)|/proc/(?:self|thread-self|\d+)/fd/\d+")
 
 
 def _hits(ranking: Ranking) -> Iterator[tuple[str, str, int, float]]:

@@ -9,6 +9,7 @@ the command, the files it writes.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -251,6 +252,22 @@ def test_out_dash_is_stdout_and_out_inside_a_file_says_so(tmp_path: Path) -> Non
         score._check_out(tmp_path / "exist.jsonl" / "run.jsonl", overwrite=False)
 
 
+def test_only_names_of_open_descriptors_and_files_that_are_not_regular_are_written_in_place(tmp_path: Path) -> None:
+    for name in ("/dev/stdout", "/dev/stderr", "/dev/fd/1", "/proc/self/fd/1", "/dev/null", str(tmp_path / "fifo")):
+        if name.endswith("fifo"):
+            os.mkfifo(name)
+        assert score._written_in_place(name), name
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path  # a file there is replaced like any other
+    run = shm / f"embedctl-test-{os.getpid()}.jsonl"
+    try:
+        run.write_text("an old run\n")
+        assert not score._written_in_place(str(run)) and not score._written_in_place(str(run) + ".new")
+        with pytest.raises(UserError, match="already exists; pass --overwrite"):
+            score._check_out(run, overwrite=False)
+    finally:
+        run.unlink(missing_ok=True)
+
+
 def test_a_run_written_through_a_link_or_into_a_fifo_leaves_them_in_place(
         sample_ranking: tuple[Queries, Ranking], tmp_path: Path) -> None:
     _, ranking = sample_ranking
@@ -331,6 +348,19 @@ def test_jsonl_qrels_read_number_ids_as_the_corpus_readers_do(tmp_path: Path) ->
 def test_qrels_starting_with_a_byte_order_mark_read_as_without(tmp_path: Path, name: str, text: str) -> None:
     (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())  # as Windows editors save UTF-8
     assert read_qrels(str(tmp_path / name), ["q1"]) == {"q1": {"a": 2}}
+
+
+def test_gzipped_qrels_read_as_plain_and_a_repeated_judgement_must_agree(tmp_path: Path) -> None:
+    with gzip.open(tmp_path / "qrels.txt.gz", "wt") as handle:
+        handle.write("q1 0 a 2\nq1 0 a 2\nq1 0 b 1\n")  # the same judgement twice changes nothing
+    assert read_qrels(str(tmp_path / "qrels.txt.gz"), ["q1"]) == {"q1": {"a": 2, "b": 1}}
+    (tmp_path / "qrels.txt").write_text("q1 0 a 1\nq1 0 b 1\nq1 0 a 0\n")
+    with pytest.raises(UserError, match=r"line 3: query 'q1' document 'a' is judged 0 here and 1 on line 1; "
+                                        r"keep one judgement per pair$"):
+        read_qrels(str(tmp_path / "qrels.txt"), ["q1"])
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00q")
+    with pytest.raises(UserError, match=r"binary.txt: it is not UTF-8 text; give a TREC qrels or JSONL qrels"):
+        read_qrels(str(tmp_path / "binary.txt"), ["q1"])
 
 
 @pytest.mark.parametrize("text, phrases", [
@@ -707,6 +737,15 @@ def test_a_table_without_embedctl_settings_or_with_a_null_text_is_one_line(sampl
     doc_id = table.column("id")[4].as_py()
     with pytest.raises(UserError, match=f"document '{doc_id}' has None in its text column 'text', not a text"):
         score.document_texts(inputs, {doc_id})
+
+
+def test_a_ranked_document_gone_from_docs_on_the_second_pass_is_one_line(tmp_path: Path) -> None:
+    """The reranker reads DOCS again for the texts of the hits; a corpus rewritten in between lacks some."""
+    write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "kept"}])
+    inputs = open_inputs(ScoreOptions(queries=str(QUERIES), docs=str(tmp_path / "docs.jsonl")))
+    with pytest.raises(UserError, match=r"^1 ranked document is no longer in .*docs.jsonl \(first: 'b'\): DOCS changed "
+                                        r"while the run read it; run score again once the documents are written$"):
+        score.document_texts(inputs, {"a", "b"})
 
 
 def test_equal_documents_score_equal_for_a_single_query() -> None:

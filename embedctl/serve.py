@@ -154,7 +154,8 @@ REFUSALS = {
     500: "The server failed on the request (on /v1/embeddings, the engine too)",
     503: "The server is shutting down; retry after Retry-After",
 }
-NOT_READY = "Not ready: the model is warming up (retry after Retry-After), or its warm-up failed (see the server log)"
+NOT_READY = ("Not ready: the model is warming up (retry after Retry-After), its warm-up failed, or the engine fails "
+             "(see the server log)")
 CLIENT_GONE = 499  # the metrics' status for a request whose client disconnected before its reply
 # Requests with bodies this large are watched for their client going away while they run, so that an
 # abandoned one stops holding the queue; for smaller ones (a query: milliseconds) the watch would cost
@@ -554,11 +555,14 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
         return service.info()
 
     async def health() -> Health:
-        """200 once the model is warmed up; 503 before, or when the warm-up failed, in TEI's error shape."""
+        """200 once the model is warmed up; 503 before, when the warm-up failed, or while the engine fails (TEI's
+        error shape)."""
         if service.warm_error is not None:
             raise ApiError(503, f"the warm-up failed: {service.warm_error}")
         if not service.ready:
             raise ApiError(503, f"the model is warming up; retry after {RETRY_AFTER_SECONDS} s", headers=RETRY_AFTER)
+        if not await service.healthy():
+            raise ApiError(503, f"the engine fails ({service.engine_failure}); see the server log")
         return Health()
 
     for path in (*HEALTH_PATHS, "/"):
@@ -687,6 +691,9 @@ class _Service:
         self.wakeups: _Wakeups | None = None
         self.ready = False
         self.warm_error: str | None = None
+        # The last batch's engine error, until a batch goes through: /health then answers 503, as TEI's does, so
+        # that a load balancer or an orchestrator's probe stops sending work to a device that fell over.
+        self.engine_failure: str | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="embedctl-tokenize")
@@ -1015,14 +1022,26 @@ class _Service:
         future.add_done_callback(lambda settled: self.scheduler.cancel(ticket) if settled.cancelled() else None)
         return future
 
-    @staticmethod
-    async def rows(future: asyncio.Future) -> np.ndarray:
+    async def rows(self, future: asyncio.Future) -> np.ndarray:
         """A submitted future's rows, awaited without blocking the loop."""
         outcome = await future
         if isinstance(outcome, BaseException):
             log.error("engine step failed", exc_info=outcome)
+            self.engine_failure = short_reason(outcome)
             raise ApiError(424, f"the engine failed on this request ({short_reason(outcome)}); see the server log")
+        self.engine_failure = None
         return outcome
+
+    async def healthy(self) -> bool:
+        """Whether the engine answers: after a failed batch, one short text through the queue, as TEI's health
+        check runs a forward pass once its backend has failed; otherwise nothing is run."""
+        if self.engine_failure is None:
+            return True
+        try:
+            await self.run_texts(["health check"], "input", truncate=True)
+        except ApiError:
+            return False
+        return self.engine_failure is None
 
     def finish(self, vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
         """Matryoshka cut, then L2 normalisation (as torch's F.normalize does, with its epsilon)."""
@@ -1406,7 +1425,8 @@ class _Metrics:
             lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
 
         with self.lock:
-            family("embedctl_requests_total", "counter", "HTTP requests by endpoint and status.",
+            family("embedctl_requests_total", "counter", "HTTP requests by endpoint and status; 499: the client left "
+                   f"before its reply (noticed for bodies of {WATCH_BYTES >> 10} KiB or more).",
                    [f'embedctl_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
             family("embedctl_request_duration_seconds", "histogram", "Time from request to response, by endpoint.",
                    [line for e, h in sorted(self.latency.items())
@@ -1414,7 +1434,8 @@ class _Metrics:
             family("embedctl_batch_tokens", "histogram", "Tokens per engine batch.",
                    self.batch_tokens.lines("embedctl_batch_tokens"))
         family("embedctl_queue_depth", "gauge", "Sequences admitted and not yet answered.", [f"embedctl_queue_depth {depth}"])
-        family("embedctl_ready", "gauge", "1 once warm-up has finished.", [f"embedctl_ready {int(service.ready)}"])
+        family("embedctl_ready", "gauge", "1 once warm-up has finished, 0 again while the engine fails.",
+               [f"embedctl_ready {int(service.ready and service.engine_failure is None)}"])
         for name, value, help_text in (("graph_captures", graphs.captures, "CUDA graphs captured."),
                                        ("graph_replays", graphs.replays, "Batches run by replaying a CUDA graph."),
                                        ("eager_runs", graphs.eager_runs, "Batches run eagerly on the GPU (a bucket's first hit).")):

@@ -1164,6 +1164,31 @@ def test_an_engine_failure_is_tei_backend_error_and_openai_server_error(random_b
     np.testing.assert_allclose(after.json(), unit(engine.embed(tokenizer.encode(["warm up"]).ids)), atol=1e-5)
 
 
+def test_health_is_503_while_the_engine_fails_and_200_once_it_answers_again(random_bert: Path) -> None:
+    """As TEI's: a device that fell over after the warm-up takes the server out of a load balancer's rotation.
+    /health then runs one short text itself, so that the server comes back without other traffic."""
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    broken = threading.Event()
+    engine.step = failing_on(lambda batch: broken.is_set(), engine.step)
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+    with serving(create_app(engine, tokenizer)) as url:
+        before = httpx.get(url + "/health")
+        broken.set()
+        failed = httpx.post(url + "/embed", json={"inputs": "hello"})
+        while_broken = [httpx.get(url + "/health"), httpx.get(url + "/health")]
+        gauge_broken = httpx.get(url + "/metrics").text
+        broken.clear()
+        mended = httpx.get(url + "/health")
+        gauge_mended = httpx.get(url + "/metrics").text
+    assert before.status_code == 200 and failed.status_code == 424
+    for reply in while_broken:
+        message, error_type = refusal(reply)
+        assert reply.status_code == 503 and error_type == "Unhealthy"
+        assert message == "the engine fails (index 29145 is out of bounds for dimension 0 with size 5000); see the server log"
+    assert "embedctl_ready 0" in gauge_broken.splitlines()
+    assert mended.status_code == 200 and "embedctl_ready 1" in gauge_mended.splitlines()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_scheduler_answers_each_request_in_order_across_batches(random_bert: Path, device: str) -> None:
     engine = Engine.load(str(random_bert), EngineConfig(device=device, max_batch_tokens=64, max_length=32, normalize=False))

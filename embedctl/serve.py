@@ -79,6 +79,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenizers import Encoding
 
+from embedctl.http_limits import LimitedHttpToolsProtocol
 from engine import Engine, EngineConfig, UserError
 from engine.batch import PackedBatch
 from engine.errors import short_reason
@@ -618,7 +619,8 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
     app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize, options.tokenizer_processes,
                      {"document": options.doc_prompt, "query": options.query_prompt})
     server = uvicorn.Server(uvicorn.Config(with_cors(app, options.cors_allow_origins), access_log=options.access_log,
-                                           timeout_graceful_shutdown=DRAIN_SECONDS, use_colors=log_colors()))
+                                           timeout_graceful_shutdown=DRAIN_SECONDS, use_colors=log_colors(),
+                                           http=LimitedHttpToolsProtocol))
     shown_host = f"[{options.host}]" if ":" in options.host else options.host  # an IPv6 address, as a URL writes it
     server_log.info("embedctl serve: %s on %s, dim %d, max length %d, at http://%s:%d (docs at /docs)",
                     engine.files.name, engine.device, engine.dim, engine.max_length, shown_host, sock.getsockname()[1])

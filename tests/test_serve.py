@@ -41,6 +41,7 @@ from typer.testing import CliRunner
 
 from embedctl import serve as serve_module
 from embedctl.cli import app as cli
+from embedctl.http_limits import LimitedHttpToolsProtocol
 from embedctl.serve import CLIENT_GONE, WATCH_BYTES, ServeLimits, create_app
 from engine import Engine, EngineConfig, UserError
 from engine.batch import PackedBatch
@@ -721,6 +722,75 @@ def test_a_client_that_goes_away_takes_its_request_out_of_the_queue(server: Serv
         time.sleep(0.01)
     assert metric(client, "embedctl_queue_depth") == 0  # cancelled with the request, not left to run unread
     assert client.post("/embed", json={"inputs": "still serving"}).status_code == 200
+
+
+def read_reply(raw: socket.socket) -> bytes:
+    """What the server sent on a raw connection until it closed it."""
+    raw.settimeout(10)
+    received = b""
+    while chunk := raw.recv(1 << 16):
+        received += chunk
+    return received
+
+
+def test_a_head_too_large_is_431_without_a_key_and_the_server_goes_on(server: Server, client: httpx.Client) -> None:
+    """httptools, under uvicorn, reads headers of any size: 200 MB of one grew the server by 300 MB."""
+    port = int(server.url.rsplit(":", 1)[1])
+    rss_before = rss_bytes(server.process.pid)
+    with socket.create_connection(("127.0.0.1", port)) as raw:
+        raw.sendall(b"POST /embed HTTP/1.1\r\nHost: localhost\r\nX-Junk: ")
+        try:
+            for _ in range(64):  # 64 MiB at most: the server closes the connection long before
+                raw.sendall(b"a" * (1 << 20))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        reply = read_reply(raw)
+    assert reply.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), reply[:200]
+    assert reply.endswith(b"the request line and headers are larger than 64 KiB")
+    assert rss_bytes(server.process.pid) - rss_before < 32 << 20
+    # a large head within the limit is read as any other (here: refused for its missing key, as it should be)
+    refused = httpx.post(server.url + "/embed", json={"inputs": "hi"}, headers={"Cookie": "c=" + "x" * 40_000})
+    assert refused.status_code == 401
+    assert client.post("/embed", json={"inputs": "still serving"}).status_code == 200
+
+
+def test_a_head_that_stops_coming_is_408_and_closed() -> None:
+    """A client that sends half a head, or nothing at all, would hold its connection (and a drain) for ever."""
+
+    class Quick(LimitedHttpToolsProtocol):
+        head_timeout = 0.5
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+                                           http=Quick))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        replies = []
+        for sent in (b"POST /embed HTTP/1.1\r\nHost: local", b""):
+            with socket.create_connection(("127.0.0.1", port)) as raw:
+                raw.sendall(sent)
+                started = time.monotonic()
+                replies.append((read_reply(raw), time.monotonic() - started))
+        with socket.create_connection(("127.0.0.1", port)) as raw:  # two requests on one connection, each in time
+            for last in (b"", b"Connection: close\r\n"):
+                time.sleep(0.4)
+                raw.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n" + last + b"\r\n")
+            kept_alive = read_reply(raw)
+    finally:
+        server.should_exit = True
+        thread.join()
+    for reply, waited in replies:
+        assert reply.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), reply
+        assert reply.endswith(b"the request line and headers did not arrive within 0.5 s") and waited < 5
+    assert kept_alive.count(b"HTTP/1.1 200 OK") == 2 and b"408" not in kept_alive
 
 
 def test_eight_clients_for_30_s_get_right_answers_and_memory_stays_flat(server: Server, texts, indexed) -> None:

@@ -248,7 +248,8 @@ def score(
     report: Annotated[Optional[Path], typer.Option(help="Write the summary and metrics as JSON to this file.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
 ) -> None:
-    """Rank documents for every query in QUERIES by cosine (bi-encoder), optionally rerank, and write the top-k.
+    """Rank documents for every query in QUERIES by the model's similarity (bi-encoder; cosine unless its
+    config names another), optionally rerank, and write the top-k.
 
     With --index, the queries take the table's dim and max length unless given here."""
     from pipelines.score import ScoreOptions, open_inputs, run_score, write_run

@@ -67,6 +67,7 @@ class ModelFiles:
     pooling_includes_prompt: bool = True  # False: sentence-transformers leaves a prompt's tokens out of the pooling
     score_activation: str | None = None  # a cross-encoder's recorded activation, as a dotted torch class name
     dense: tuple[DenseLayer, ...] = ()  # applied in order to the pooled vector, before normalisation
+    similarity: str | None = None  # sentence-transformers' similarity_fn_name (None: unset, which it reads as cosine)
 
     @property
     def tokenizer_file(self) -> Path:
@@ -104,12 +105,16 @@ def resolve_model(name: str | None) -> ModelFiles:
     prompts = st_config.get("prompts") or {}
     if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
         raise UserError(f"{st_file}: prompts must map names to texts; repair or replace the model's files")
+    similarity = st_config.get("similarity_fn_name")
+    if similarity is not None and not isinstance(similarity, str):
+        raise UserError(f"{st_file}: similarity_fn_name must be a name such as \"cosine\"; repair or replace the "
+                        "model's files")
     return ModelFiles(name=name, path=path, config=config, pooling=pooling, normalize="Normalize" in classes,
                       max_length=_max_length(path, config), quantization=quantization, prompts=dict(prompts),
                       default_prompt_name=st_config.get("default_prompt_name"), pooling_includes_prompt=includes_prompt,
                       score_activation=st_config.get("activation_fn")
                       or (config.get("sentence_transformers") or {}).get("activation_fn")
-                      or config.get("sbert_ce_default_activation_function"), dense=dense)
+                      or config.get("sbert_ce_default_activation_function"), dense=dense, similarity=similarity)
 
 
 def match_state_dict(expected: Mapping[str, torch.Tensor], weights: dict[str, torch.Tensor], prefixes: tuple[str, ...],

@@ -1,4 +1,4 @@
-"""`embedctl score`: rank documents for queries by bi-encoder cosine, optionally rerank with a cross-encoder.
+"""`embedctl score`: rank documents for queries by bi-encoder similarity, optionally rerank with a cross-encoder.
 
     queries (read whole, embedded once) -> documents: embedded chunk by chunk from files, or read from a
     table built by `embedctl index` (--index) -> running top-k -> [cross-encoder rescoring] -> run file
@@ -6,7 +6,8 @@
 Queries are held in memory; documents are not. Each chunk of document vectors is scored against every
 query in one matrix product on the engine's device and merged into a running top-k per query
 (RunningTopK), so a corpus of any size needs memory for one chunk and k hits per query. The top-k is
-exact, and equal scores rank in document order. A reranker (a cross-encoder engine) then rescores each
+exact, and equal scores rank in document order. The similarity is the model's, as sentence-transformers'
+similarity_fn_name names it: cosine (also when unnamed), dot, or euclidean or manhattan (the distance negated). A reranker (a cross-encoder engine) then rescores each
 query's top hits as packed (query, document) pairs. The run is written at the end, to stdout or to a
 temporary file renamed onto --out, so no half-written run file is ever left; metrics against qrels come
 from pipelines.qrels.
@@ -134,6 +135,7 @@ class Ranking:
     skipped_empty: int = 0
     seconds: float = 0.0
     reranked: int = 0  # (query, document) pairs the reranker scored
+    similarity: str = "cosine"  # what the bi-encoder's scores are (see similarity_of)
 
     @property
     def documents(self) -> int:
@@ -145,7 +147,8 @@ class Ranking:
 
     def to_dict(self) -> dict[str, int | float]:
         return {"queries": len(self.query_ids), "documents": self.documents, "top_k": int(self.scores.shape[1]),
-                "skipped_empty": self.skipped_empty, "reranked_pairs": self.reranked, "seconds": round(self.seconds, 3)}
+                "skipped_empty": self.skipped_empty, "reranked_pairs": self.reranked, "similarity": self.similarity,
+                "seconds": round(self.seconds, 3)}
 
     def summary(self, out: str | None) -> str:
         reranked = f", {plural(self.reranked, 'pair')} reranked" if self.reranked else ""
@@ -157,14 +160,15 @@ class Ranking:
 class RunningTopK:
     """The exact top-k documents per query, over document vectors that arrive in chunks.
 
-    Scores are dot products (cosines for L2-normalised vectors). Documents are numbered in the
-    order they arrive; among equal scores the earlier document ranks first, whatever the chunking.
+    Scores are similarity(queries, docs): dot products by default (cosines for L2-normalised vectors).
+    Documents are numbered in the order they arrive; among equal scores the earlier document ranks first,
+    whatever the chunking.
     """
 
-    def __init__(self, queries: torch.Tensor, k: int) -> None:
+    def __init__(self, queries: torch.Tensor, k: int, similarity: str = "dot") -> None:
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
-        self.queries, self.k = queries, k
+        self.queries, self.k, self.score = queries, k, _SCORES[similarity]
         self.scores = queries.new_empty((len(queries), 0))
         self.indices = torch.empty((len(queries), 0), dtype=torch.long, device=queries.device)
         self.seen = 0
@@ -175,7 +179,7 @@ class RunningTopK:
         scores, indices = [], []
         for start in range(0, len(self.queries), QUERY_BLOCK):
             block = slice(start, start + QUERY_BLOCK)
-            merged = torch.cat([self.scores[block], _cosines(self.queries[block], docs)], dim=1)
+            merged = torch.cat([self.scores[block], self.score(self.queries[block], docs)], dim=1)
             candidates = torch.cat([self.indices[block], numbers.expand(len(merged), -1)], dim=1)
             # A stable sort rather than topk, whose choice and order among equal scores is unspecified:
             # the running best come first and are already in document order among ties, so ties stay so.
@@ -354,15 +358,18 @@ def open_inputs(options: ScoreOptions) -> Inputs:
 
 def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Iterable[Chunk] | StoredVectors,
          options: ScoreOptions, top_k: int | None = None, progress: Progress | None = None) -> Ranking:
-    """The top documents (options.top_k unless top_k is given) for every query, by cosine; progress
-    counts documents."""
+    """The top documents (options.top_k unless top_k is given) for every query, by the model's similarity;
+    progress counts documents."""
     started = time.perf_counter()
+    similarity = similarity_of(engine)
+    unit = similarity == "cosine"
     query_prompt = resolve_prompt(engine.files, "query", options.query_prompt, options.query_prompt_name)
     # A table's vectors carry the prompt they were indexed with; only documents this run embeds take one.
     doc_prompt = "" if isinstance(docs, StoredVectors) else resolve_prompt(engine.files, "document", options.doc_prompt,
                                                                            options.doc_prompt_name)
-    query_vectors = _vectors(engine, tokenizer, queries.texts, query_prompt, lambda i: f"query {queries.ids[i]!r}")[0]
-    top = RunningTopK(query_vectors, top_k or options.top_k)
+    query_vectors = _vectors(engine, tokenizer, queries.texts, query_prompt, lambda i: f"query {queries.ids[i]!r}",
+                             unit)[0]
+    top = RunningTopK(query_vectors, top_k or options.top_k, "dot" if unit else similarity)
     doc_ids: list[str] = []
     seen: set[str] = set()
     skipped = tokens = 0
@@ -383,7 +390,8 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
                                     "cannot; use --format jsonl or ids without whitespace")
                 seen.add(doc_id)
             doc_ids.extend(ids)
-            top.add(_unit(torch.tensor(vectors, device=engine.device), normalized=False))
+            stored = torch.tensor(vectors, device=engine.device)
+            top.add(_unit(stored) if unit else stored.float())
             if progress is not None:
                 progress(len(doc_ids), 0, total)
     else:
@@ -401,7 +409,8 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
                 rows.append(row)
             if rows:
                 vectors, chunk_tokens = _vectors(engine, tokenizer, [chunk.texts[row] for row in rows], doc_prompt,
-                                                 lambda i: f"{chunk.where(rows[i])}: document {chunk.ids[rows[i]]!r}")
+                                                 lambda i: f"{chunk.where(rows[i])}: document {chunk.ids[rows[i]]!r}",
+                                                 unit)
                 top.add(vectors)
                 tokens += chunk_tokens
             if progress is not None:
@@ -412,7 +421,7 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
     indices = top.indices.cpu().numpy()
     return Ranking(query_ids=queries.ids, doc_ids=[[doc_ids[i] for i in row] for row in indices],
                    scores=top.scores.cpu().numpy(), corpus_ids=doc_ids, skipped_empty=skipped,
-                   seconds=time.perf_counter() - started)
+                   seconds=time.perf_counter() - started, similarity=similarity)
 
 
 def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking: Ranking, texts: dict[str, str],
@@ -691,7 +700,7 @@ def _hits(ranking: Ranking) -> Iterator[tuple[str, str, int, float]]:
             yield query_id, doc_id, rank_, score
 
 
-def _cosines(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+def _products(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
     """queries @ docs.T, summed in float64 and rounded to float32, so that a pair scores the same whatever
     the chunk's shape (but for a float64 sum within 1e-16 of a float32 rounding boundary: none in 1.28M
     pairs tried). A float32 product does not: BLAS sums a chunk's columns in orders that depend on its
@@ -700,6 +709,28 @@ def _cosines(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
     product on the CPU (256 x 4,096 x 384), small beside embedding the chunk, and about as much on an
     H200 (float64 there runs near float32's rate; on L4-class cards at 1/32 of it)."""
     return (queries.double() @ docs.double().T).float()
+
+
+def _negated_distances(p: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Minus the p-norm distance of each (query, document), summed in float64 pair by pair (not through a
+    matrix product, whose sums depend on the chunk's shape), as sentence-transformers' euclidean_sim and
+    manhattan_sim score."""
+    def scores(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+        return -torch.cdist(queries.double(), docs.double(), p=p, compute_mode="donot_use_mm_for_euclid_dist").float()
+    return scores
+
+
+_SCORES = {"dot": _products, "euclidean": _negated_distances(2.0), "manhattan": _negated_distances(1.0)}
+SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")  # sentence-transformers' names of those it ranks by
+
+
+def similarity_of(engine: Engine) -> str:
+    """The model's similarity function by sentence-transformers' name; one of SIMILARITIES, else a UserError."""
+    similarity = engine.files.similarity or "cosine"
+    if similarity not in SIMILARITIES:
+        raise UserError(f"{engine.files.name}: its similarity_fn_name {similarity!r} (config_sentence_transformers.json) "
+                        f"is not one score ranks by ({', '.join(SIMILARITIES)}); use a single-vector model")
+    return similarity
 
 
 # Scores are written with nine significant digits, which tell any two float32 scores apart: six merged some into
@@ -715,18 +746,19 @@ def _trec_lines(ranking: Ranking) -> Iterator[str]:
 
 
 def _vectors(engine: Engine, tokenizer: TextTokenizer, texts: list[str], prompt: str,
-             where: Callable[[int], str]) -> tuple[torch.Tensor, int]:
-    """L2-normalised vectors on the engine's device, so that dot products are cosines, and their tokens.
-    where(i) names text i in an error."""
+             where: Callable[[int], str], unit: bool) -> tuple[torch.Tensor, int]:
+    """The texts' vectors on the engine's device, L2-normalised if unit (dot products are then cosines),
+    and their tokens. where(i) names text i in an error."""
     encoded = tokenizer.encode([prompt + text for text in texts])
     if engine.ids_past_table and (why := encoded.past_table(engine.vocab_size, where)):
         raise UserError(why)
     vectors = torch.from_numpy(engine.embed(encoded.ids))
-    return _unit(vectors.to(engine.device), engine.normalize), sum(len(row) for row in encoded.ids)
+    vectors = vectors.to(engine.device)
+    return (_unit(vectors) if unit and not engine.normalize else vectors.float()), sum(len(row) for row in encoded.ids)
 
 
-def _unit(vectors: torch.Tensor, normalized: bool) -> torch.Tensor:
-    return vectors if normalized else torch.nn.functional.normalize(vectors.float(), dim=1)
+def _unit(vectors: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(vectors.float(), dim=1)
 
 
 def _read_queries(options: ScoreOptions) -> Queries:

@@ -748,6 +748,47 @@ def test_a_ranked_document_gone_from_docs_on_the_second_pass_is_one_line(tmp_pat
         score.document_texts(inputs, {"a", "b"})
 
 
+@pytest.mark.parametrize("similarity", ["dot", "euclidean", "manhattan", None])
+def test_the_model_s_own_similarity_ranks_as_sentence_transformers_scores(tmp_path: Path, similarity: str | None) -> None:
+    """config_sentence_transformers.json's similarity_fn_name, on a model without a Normalize module (where
+    each of the four ranks differently): the run equals sentence-transformers' model.similarity over its
+    encode(), and a streamed chunking the whole corpus at once."""
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = save_random_model(tmp_path / "model", pooling="mean")
+    if similarity is not None:
+        (model_dir / "config_sentence_transformers.json").write_text(json.dumps({"similarity_fn_name": similarity}))
+    texts = [json.loads(line)["text"] for line in (CORPUS / "part-001.jsonl").read_text().splitlines()[:40]]
+    write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": text} for i, text in enumerate(texts)])
+    queries = [text.split(".")[0] for text in texts[:5]]
+    write_jsonl(tmp_path / "queries.jsonl", [{"id": f"q{i}", "text": text} for i, text in enumerate(queries)])
+    peer = SentenceTransformer(str(model_dir), device="cpu")
+    assert peer.similarity_fn_name == (similarity or "cosine")
+    expected = peer.similarity(peer.encode(queries, convert_to_tensor=True), peer.encode(texts, convert_to_tensor=True))
+    expected_order = torch.sort(expected, dim=1, descending=True, stable=True)
+    embedder = embedctl.load(str(model_dir), device="cpu")
+    runs = []
+    for chunk_rows in (7, 1000):
+        options = ScoreOptions(queries=str(tmp_path / "queries.jsonl"), docs=str(tmp_path / "docs.jsonl"), top_k=10,
+                               chunk_rows=chunk_rows)
+        ranking = rank(embedder.engine, embedder.tokenizer, open_inputs(options).queries, open_inputs(options).docs, options)
+        runs.append(ranking)
+        assert ranking.similarity == (similarity or "cosine")
+        assert ranking.doc_ids == [[f"d{i}" for i in row[:10]] for row in expected_order.indices.tolist()]
+        np.testing.assert_allclose(ranking.scores, expected_order.values[:, :10].numpy(), rtol=1e-4, atol=1e-4)
+    assert runs[0].doc_ids == runs[1].doc_ids and np.array_equal(runs[0].scores, runs[1].scores)
+
+
+def test_a_multi_vector_similarity_is_refused_in_one_line(tmp_path: Path) -> None:
+    model_dir = save_random_model(tmp_path / "model", pooling="mean")
+    (model_dir / "config_sentence_transformers.json").write_text(json.dumps({"similarity_fn_name": "maxsim"}))
+    write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "a document"}])
+    write_jsonl(tmp_path / "queries.jsonl", [{"id": "q", "text": "a query"}])
+    result = run_cli("score", "queries.jsonl", "docs.jsonl", "--model", str(model_dir), "--device", "cpu", cwd=tmp_path)
+    assert_one_error_line(result, "its similarity_fn_name 'maxsim' (config_sentence_transformers.json) is not one score "
+                                  "ranks by (cosine, dot, euclidean, manhattan); use a single-vector model")
+
+
 def test_equal_documents_score_equal_for_a_single_query() -> None:
     """A matrix-vector product rounds a chunk's last rows apart from the others (half of these sizes, with
     numpy's BLAS); equal documents must still score equal, so that ties keep document order."""

@@ -401,9 +401,11 @@ def test_cross_encoder_on_the_gpu_equals_the_cpu(tmp_path, attention: str) -> No
         assert np.abs(scores - expected).max() <= 0.02 * spread + 1e-3
 
 
-def test_score_top_k_on_the_gpu_equals_the_cpu_in_any_chunking() -> None:
+@pytest.mark.parametrize("similarity", ["dot", "euclidean", "manhattan"])
+def test_score_top_k_on_the_gpu_equals_the_cpu_in_any_chunking(similarity: str) -> None:
     """`embedctl score` ranks on the GPU when there is one: each pair's score, rounded from float64,
-    is the same there, on the CPU, and in every chunking, so the ranks and the order among ties are too."""
+    is the same there, on the CPU, and in every chunking, so the ranks and the order among ties are too,
+    for each similarity a model may name."""
     from pipelines.score import RunningTopK
 
     rng = np.random.default_rng(2)
@@ -412,7 +414,7 @@ def test_score_top_k_on_the_gpu_equals_the_cpu_in_any_chunking() -> None:
     docs[1500] = docs[10]  # a tie, which document order decides
 
     def top(device: str, chunk: int) -> RunningTopK:
-        running = RunningTopK(torch.from_numpy(queries).to(device), 20)
+        running = RunningTopK(torch.from_numpy(queries).to(device), 20, similarity)
         for start in range(0, len(docs), chunk):
             running.add(torch.from_numpy(docs[start:start + chunk]).to(device))
         return running

@@ -32,8 +32,9 @@ the scheduler thread resolves through _Wakeups, so no request ever blocks the lo
 engine is loaded without normalisation: vectors are cut to `dimensions` and normalised here, per
 request, which is what lets /embed honour `normalize: false`. Texts get the model's prompts as
 `embedctl index` (documents) and `embedctl score` (queries) give them, so that the vectors agree.
-/rerank scores by the cosine of bi-encoder vectors, or with the model itself when it is a
-cross-encoder (which then has no vectors).
+/rerank scores by the bi-encoder's similarity (the model's own, as score ranks by: cosine unless its
+config names dot, euclidean or manhattan), or with the model itself when it is a cross-encoder (which
+then has no vectors).
 
 The engine is loaded with its CUDA graph warm-up unless --no-warmup: every batch shape (of sequences up
 to 512 tokens) is captured before the port answers, because a shape captured under traffic stalls every
@@ -69,6 +70,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import numpy as np
 import orjson
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -84,6 +86,7 @@ from engine import Engine, EngineConfig, UserError
 from engine.batch import PackedBatch
 from engine.errors import short_reason
 from engine.scheduler import QueueFull, Scheduler, SchedulerClosed
+from pipelines.similarity import pair_scores_of, similarity_of
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
 
@@ -338,7 +341,7 @@ class RerankRequest(_TeiRequest):
     return_documents: bool = False
     return_text: bool = Field(default=False, description="TEI's name for return_documents")
     raw_scores: bool = Field(default=False, description="TEI's field: a cross-encoder's logits instead of their "
-                                                         "sigmoid; a bi-encoder's cosines are raw already")
+                                                         "sigmoid; a bi-encoder's similarities are raw already")
     truncate: bool | None = None
     truncation_direction: Literal["right", "Right", "left", "Left"] = "right"
     model: str | None = None
@@ -679,6 +682,7 @@ class _Service:
         self.tokenizer_processes = tokenizer_processes
         self.name = engine.files.name
         self.names = {self.name, Path(self.name).name}
+        self.similarity = "cosine" if engine.num_labels else similarity_of(engine.files)  # a bi-encoder's, for /rerank
         # /tokenize shows whole inputs, as TEI's does; the tokenizer of /embed stops at the max length.
         self.untruncated = copy.deepcopy(tokenizer.tokenizer)
         self.untruncated.no_truncation()
@@ -981,7 +985,7 @@ class _Service:
     async def scores(self, query: str, texts: Sequence[str], truncate: bool, field: str,
                      from_left: bool = False, raw: bool = False) -> tuple[np.ndarray, int]:
         """Relevance of each text to the query, and the tokens it took: cross-encoder scores (with raw, its
-        logits) or cosines. An over-long input loses its end, or with from_left its start."""
+        logits) or the bi-encoder's similarities. An over-long input loses its end, or with from_left its start."""
         if not query or query.isspace():
             raise _empty("query is blank; send text with at least one non-space character")
         self.check_texts(texts, field)
@@ -1006,10 +1010,8 @@ class _Service:
         query_prompt, document_prompt = self.prompts["query"], self.prompts["document"]
         rows, tokens = await self.tokenize_and_run([query_prompt + query, *(document_prompt + text for text in texts)],
                                                    check_query_then_texts, encode=encode)
-        vectors = self.finish(rows, None, True)
-        # Row by row, not a matrix-vector product, whose BLAS kernel may treat the last rows apart: equal texts
-        # must score equal, so that ties keep their input order.
-        return (vectors[1:] * vectors[0]).sum(axis=1), tokens
+        vectors = torch.from_numpy(self.finish(rows, None, self.normalize))
+        return pair_scores_of(self.similarity, vectors[:1], vectors[1:])[0].numpy(), tokens
 
     def submit(self, encoded: Encoded) -> asyncio.Future:
         """Queue the sequences for the engine; the future settles on the loop with their rows, or the error.

@@ -42,6 +42,7 @@ from engine.spec import LATER_SETTINGS
 from pipelines.progress import Progress, plural
 from pipelines.qrels import CUTOFF, Metrics, Qrels, evaluate, read_qrels, trec_order
 from pipelines.readers import Chunk, CorpusReader
+from pipelines.similarity import pair_scores_of, similarity_of, unit
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
 from pipelines.writers import database_tables, setting_name, setting_value, table_parts
@@ -160,7 +161,8 @@ class Ranking:
 class RunningTopK:
     """The exact top-k documents per query, over document vectors that arrive in chunks.
 
-    Scores are similarity(queries, docs): dot products by default (cosines for L2-normalised vectors).
+    Scores are pipelines.similarity's, by the named similarity: dot products by default (cosines for
+    L2-normalised vectors).
     Documents are numbered in the order they arrive; among equal scores the earlier document ranks first,
     whatever the chunking.
     """
@@ -168,7 +170,7 @@ class RunningTopK:
     def __init__(self, queries: torch.Tensor, k: int, similarity: str = "dot") -> None:
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
-        self.queries, self.k, self.score = queries, k, _SCORES[similarity]
+        self.queries, self.k, self.similarity = queries, k, similarity
         self.scores = queries.new_empty((len(queries), 0))
         self.indices = torch.empty((len(queries), 0), dtype=torch.long, device=queries.device)
         self.seen = 0
@@ -179,7 +181,7 @@ class RunningTopK:
         scores, indices = [], []
         for start in range(0, len(self.queries), QUERY_BLOCK):
             block = slice(start, start + QUERY_BLOCK)
-            merged = torch.cat([self.scores[block], self.score(self.queries[block], docs)], dim=1)
+            merged = torch.cat([self.scores[block], pair_scores_of(self.similarity, self.queries[block], docs)], dim=1)
             candidates = torch.cat([self.indices[block], numbers.expand(len(merged), -1)], dim=1)
             # A stable sort rather than topk, whose choice and order among equal scores is unspecified:
             # the running best come first and are already in document order among ties, so ties stay so.
@@ -361,15 +363,15 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
     """The top documents (options.top_k unless top_k is given) for every query, by the model's similarity;
     progress counts documents."""
     started = time.perf_counter()
-    similarity = similarity_of(engine)
-    unit = similarity == "cosine"
+    similarity = similarity_of(engine.files)
+    cosine = similarity == "cosine"  # vectors normalised once, as they come, and scored by their products
     query_prompt = resolve_prompt(engine.files, "query", options.query_prompt, options.query_prompt_name)
     # A table's vectors carry the prompt they were indexed with; only documents this run embeds take one.
     doc_prompt = "" if isinstance(docs, StoredVectors) else resolve_prompt(engine.files, "document", options.doc_prompt,
                                                                            options.doc_prompt_name)
     query_vectors = _vectors(engine, tokenizer, queries.texts, query_prompt, lambda i: f"query {queries.ids[i]!r}",
-                             unit)[0]
-    top = RunningTopK(query_vectors, top_k or options.top_k, "dot" if unit else similarity)
+                             cosine)[0]
+    top = RunningTopK(query_vectors, top_k or options.top_k, "dot" if cosine else similarity)
     doc_ids: list[str] = []
     seen: set[str] = set()
     skipped = tokens = 0
@@ -391,7 +393,7 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
                 seen.add(doc_id)
             doc_ids.extend(ids)
             stored = torch.tensor(vectors, device=engine.device)
-            top.add(_unit(stored) if unit else stored.float())
+            top.add(unit(stored) if cosine else stored.float())
             if progress is not None:
                 progress(len(doc_ids), 0, total)
     else:
@@ -410,7 +412,7 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
             if rows:
                 vectors, chunk_tokens = _vectors(engine, tokenizer, [chunk.texts[row] for row in rows], doc_prompt,
                                                  lambda i: f"{chunk.where(rows[i])}: document {chunk.ids[rows[i]]!r}",
-                                                 unit)
+                                                 cosine)
                 top.add(vectors)
                 tokens += chunk_tokens
             if progress is not None:
@@ -700,39 +702,6 @@ def _hits(ranking: Ranking) -> Iterator[tuple[str, str, int, float]]:
             yield query_id, doc_id, rank_, score
 
 
-def _products(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
-    """queries @ docs.T, summed in float64 and rounded to float32, so that a pair scores the same whatever
-    the chunk's shape (but for a float64 sum within 1e-16 of a float32 rounding boundary: none in 1.28M
-    pairs tried). A float32 product does not: BLAS sums a chunk's columns in orders that depend on its
-    width and on the CPU, and a pair must score the same in every chunking (a streamed top-k equals the
-    in-memory one) and equal documents equally (ties keep document order). It costs 1.4x a float32
-    product on the CPU (256 x 4,096 x 384), small beside embedding the chunk, and about as much on an
-    H200 (float64 there runs near float32's rate; on L4-class cards at 1/32 of it)."""
-    return (queries.double() @ docs.double().T).float()
-
-
-def _negated_distances(p: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Minus the p-norm distance of each (query, document), summed in float64 pair by pair (not through a
-    matrix product, whose sums depend on the chunk's shape), as sentence-transformers' euclidean_sim and
-    manhattan_sim score."""
-    def scores(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
-        return -torch.cdist(queries.double(), docs.double(), p=p, compute_mode="donot_use_mm_for_euclid_dist").float()
-    return scores
-
-
-_SCORES = {"dot": _products, "euclidean": _negated_distances(2.0), "manhattan": _negated_distances(1.0)}
-SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")  # sentence-transformers' names of those it ranks by
-
-
-def similarity_of(engine: Engine) -> str:
-    """The model's similarity function by sentence-transformers' name; one of SIMILARITIES, else a UserError."""
-    similarity = engine.files.similarity or "cosine"
-    if similarity not in SIMILARITIES:
-        raise UserError(f"{engine.files.name}: its similarity_fn_name {similarity!r} (config_sentence_transformers.json) "
-                        f"is not one score ranks by ({', '.join(SIMILARITIES)}); use a single-vector model")
-    return similarity
-
-
 # Scores are written with nine significant digits, which tell any two float32 scores apart: six merged some into
 # ties, which trec_eval orders by document id rather than by the run's rank.
 def _jsonl_lines(ranking: Ranking) -> Iterator[str]:
@@ -746,19 +715,15 @@ def _trec_lines(ranking: Ranking) -> Iterator[str]:
 
 
 def _vectors(engine: Engine, tokenizer: TextTokenizer, texts: list[str], prompt: str,
-             where: Callable[[int], str], unit: bool) -> tuple[torch.Tensor, int]:
-    """The texts' vectors on the engine's device, L2-normalised if unit (dot products are then cosines),
+             where: Callable[[int], str], normalize: bool) -> tuple[torch.Tensor, int]:
+    """The texts' vectors on the engine's device, L2-normalised if normalize (dot products are then cosines),
     and their tokens. where(i) names text i in an error."""
     encoded = tokenizer.encode([prompt + text for text in texts])
     if engine.ids_past_table and (why := encoded.past_table(engine.vocab_size, where)):
         raise UserError(why)
     vectors = torch.from_numpy(engine.embed(encoded.ids))
     vectors = vectors.to(engine.device)
-    return (_unit(vectors) if unit and not engine.normalize else vectors.float()), sum(len(row) for row in encoded.ids)
-
-
-def _unit(vectors: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.normalize(vectors.float(), dim=1)
+    return (unit(vectors) if normalize and not engine.normalize else vectors.float()), sum(len(row) for row in encoded.ids)
 
 
 def _read_queries(options: ScoreOptions) -> Queries:

@@ -785,8 +785,8 @@ def test_a_multi_vector_similarity_is_refused_in_one_line(tmp_path: Path) -> Non
     write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "a document"}])
     write_jsonl(tmp_path / "queries.jsonl", [{"id": "q", "text": "a query"}])
     result = run_cli("score", "queries.jsonl", "docs.jsonl", "--model", str(model_dir), "--device", "cpu", cwd=tmp_path)
-    assert_one_error_line(result, "its similarity_fn_name 'maxsim' (config_sentence_transformers.json) is not one score "
-                                  "ranks by (cosine, dot, euclidean, manhattan); use a single-vector model")
+    assert_one_error_line(result, "its similarity_fn_name 'maxsim' (config_sentence_transformers.json) is not one "
+                                  "embedctl scores by (cosine, dot, euclidean, manhattan); use a single-vector model")
 
 
 def test_equal_documents_score_equal_for_a_single_query() -> None:

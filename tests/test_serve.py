@@ -1057,6 +1057,26 @@ def test_a_token_past_the_table_is_named_in_spread_requests_and_by_a_cross_encod
     assert fine.status_code == 200 and len(fine.json()) == 37
 
 
+@pytest.mark.parametrize("similarity", ["dot", "manhattan"])
+def test_rerank_with_a_bi_encoder_scores_by_the_model_s_similarity(tmp_path: Path, similarity: str) -> None:
+    """As `embedctl score` ranks and sentence-transformers' model.similarity scores: here on a model without a
+    Normalize module, where dot and manhattan order the documents otherwise than cosine."""
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = save_random_model(tmp_path / "model", pooling="mean")
+    (model_dir / "config_sentence_transformers.json").write_text(json.dumps({"similarity_fn_name": similarity}))
+    documents = ["a cat sat on the mat", "dogs bark at night", "the stock market fell", "a cat", "cats and dogs"]
+    peer = SentenceTransformer(str(model_dir), device="cpu")
+    expected = peer.similarity(peer.encode(["where is the cat"]), peer.encode(documents))[0].numpy()
+    engine = Engine.load(str(model_dir), EngineConfig(device="cpu", normalize=False))
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+    with serving(create_app(engine, tokenizer)) as url:
+        ranked = httpx.post(url + "/rerank", json={"query": "where is the cat", "texts": documents}).json()
+    assert [hit["index"] for hit in ranked] == np.argsort(-expected, kind="stable").tolist()
+    np.testing.assert_allclose([hit["score"] for hit in sorted(ranked, key=lambda hit: hit["index"])], expected,
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path) -> None:
     """Four texts, and the same 20 times over, which a server with tokenizer workers spreads over them."""
     import transformers

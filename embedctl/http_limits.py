@@ -29,6 +29,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._head_bytes = 0
         self._in_head = True  # until the first head is whole: a connection that sends nothing is timed too
+        self._boundaries = 0  # heads and messages the parser has seen end
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.head_timeout, self._head_too_slow)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -36,15 +37,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._in_head:
-            # Counted before parsing: the bytes of a pipelined request's body may count too, which only errs
-            # on the side of a head that is a little larger than it is.
-            self._head_bytes += len(data)
-            if self._head_bytes > self.max_head_bytes:
-                self._refuse(431, "Request Header Fields Too Large",
-                             f"the request line and headers are larger than {self.max_head_bytes >> 10} KiB")
-                return
+        boundaries = self._boundaries
         super().data_received(data)
+        if not self._in_head or self.transport.is_closing():
+            return
+        if self._boundaries != boundaries:
+            # A head or a message ended within this data (a body can arrive with its head, in one read): the
+            # next head's share of it is not known, so it counts from the next read on, one read (256 KiB at
+            # most) of leeway. Counting the whole read refused every request with a body over 64 KiB.
+            self._head_bytes = 0
+            return
+        self._head_bytes += len(data)
+        if self._head_bytes > self.max_head_bytes:
+            self._refuse(431, "Request Header Fields Too Large",
+                         f"the request line and headers are larger than {self.max_head_bytes >> 10} KiB")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -55,6 +61,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_bytes = 0
+        self._boundaries += 1
         self._stop_head_timer()
         super().on_headers_complete()
 
@@ -62,6 +69,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._in_head = True  # the next request's head may start in the data that ended this one
         self._head_bytes = 0
+        self._boundaries += 1
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:

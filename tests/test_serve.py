@@ -754,25 +754,43 @@ def test_a_head_too_large_is_431_without_a_key_and_the_server_goes_on(server: Se
     assert client.post("/embed", json={"inputs": "still serving"}).status_code == 200
 
 
-def test_a_head_that_stops_coming_is_408_and_closed() -> None:
-    """A client that sends half a head, or nothing at all, would hold its connection (and a drain) for ever."""
+@contextmanager
+def body_length_server(head_timeout: float) -> Iterator[int]:
+    """A server of LimitedHttpToolsProtocol (with head_timeout) whose app answers each request with the length of
+    its body; yields its port."""
 
-    class Quick(LimitedHttpToolsProtocol):
-        head_timeout = 0.5
+    class Limited(LimitedHttpToolsProtocol):
+        pass
+
+    Limited.head_timeout = head_timeout
 
     async def app(scope, receive, send) -> None:
-        if scope["type"] == "http":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b"ok"})
+        if scope["type"] != "http":
+            return
+        size, more = 0, True
+        while more:
+            message = await receive()
+            size, more = size + len(message.get("body", b"")), message.get("more_body", False)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": str(size).encode()})
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
-                                           http=Quick))
+                                           http=Limited))
     thread = threading.Thread(target=server.run)
     thread.start()
     try:
         while not server.started:
             time.sleep(0.01)
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def test_a_head_that_stops_coming_is_408_and_closed() -> None:
+    """A client that sends half a head, or nothing at all, would hold its connection (and a drain) for ever."""
+    with body_length_server(head_timeout=0.5) as port:
         replies = []
         for sent in (b"POST /embed HTTP/1.1\r\nHost: local", b""):
             with socket.create_connection(("127.0.0.1", port)) as raw:
@@ -784,13 +802,22 @@ def test_a_head_that_stops_coming_is_408_and_closed() -> None:
                 time.sleep(0.4)
                 raw.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n" + last + b"\r\n")
             kept_alive = read_reply(raw)
-    finally:
-        server.should_exit = True
-        thread.join()
     for reply, waited in replies:
         assert reply.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), reply
         assert reply.endswith(b"the request line and headers did not arrive within 0.5 s") and waited < 5
     assert kept_alive.count(b"HTTP/1.1 200 OK") == 2 and b"408" not in kept_alive
+
+
+def test_large_bodies_are_not_taken_for_large_heads() -> None:
+    """A body over the head limit arriving in the same reads as its head (a 100-document request), then another
+    on the same connection: both read whole. The first form of the limit counted them and refused both (run157)."""
+    body = b"x" * (300 << 10)
+    with body_length_server(head_timeout=30) as port, socket.create_connection(("127.0.0.1", port)) as raw:
+        for last in (b"", b"Connection: close\r\n"):
+            raw.sendall(b"POST /embed HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n%s\r\n" % (len(body), last)
+                        + body)
+        replies = read_reply(raw)
+    assert replies.count(b"HTTP/1.1 200 OK") == 2 and replies.count(b"\r\n%d\r\n" % len(body)) == 2, replies[:300]
 
 
 def test_eight_clients_for_30_s_get_right_answers_and_memory_stays_flat(server: Server, texts, indexed) -> None:

@@ -784,9 +784,7 @@ class _Service:
         prompt = self.prompt(body.prompt_name)
 
         def token_lists(prompted: list[str]) -> list[list[dict[str, Any]]]:
-            # stripped, as TextTokenizer.encode strips what /embed embeds
-            encodings = self.untruncated.encode_batch([text.strip() for text in prompted],
-                                                      add_special_tokens=body.add_special_tokens)
+            encodings = self.untruncated.encode_batch(prompted, add_special_tokens=body.add_special_tokens)
             if (tokens := sum(len(encoding.ids) for encoding in encodings)) > TOKENIZE_MAX_TOKENS:
                 raise ApiError(413, f"inputs hold {tokens:,} tokens, and /tokenize answers at most "
                                     f"{TOKENIZE_MAX_TOKENS:,} per request; send less text per request")
@@ -1094,10 +1092,8 @@ def _dumps(payload: Any) -> bytes:
 
 
 def _tokens(encoding: Encoding, text: str) -> list[dict[str, Any]]:
-    """TEI's token objects for the encoding of text.strip(). A token's start and stop count UTF-8
-    bytes of the whole text, as TEI's do (its strings are Rust's); the library counts characters
-    of the stripped text."""
-    lead = len(text) - len(text.lstrip())
+    """TEI's token objects for the encoding of text. A token's start and stop count UTF-8 bytes of the
+    text, as TEI's do (its strings are Rust's); the library counts characters."""
     code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     utf8_lengths = 1 + (code_points >= 0x80) + (code_points >= 0x800) + (code_points >= 0x10000)
     byte_at = np.concatenate(([0], np.cumsum(utf8_lengths)))  # character offset -> byte offset
@@ -1107,7 +1103,6 @@ def _tokens(encoding: Encoding, text: str) -> list[dict[str, Any]]:
         if special:
             tokens.append({"id": token_id, "text": token, "special": True, "start": None, "stop": None})
         else:
-            start, stop = start + lead, stop + lead
             tokens.append({"id": token_id, "text": text[start:stop], "special": False,
                            "start": int(byte_at[start]), "stop": int(byte_at[stop])})
     return tokens

@@ -480,7 +480,7 @@ def _wanted(chunk: Chunk, row: int, options: IndexOptions, report: IndexReport, 
 
 
 def _empty(text: str | None) -> bool:
-    return not text or text.isspace()  # no stripped copy: the tokenizer strips once
+    return not text or text.isspace()  # no stripped copy of every text for this
 
 
 def _assemble(results: Iterable[tuple], report: IndexReport, progress: Progress | None,

@@ -1,6 +1,8 @@
 """Texts to token ids with the model's tokenizer.json, through the `tokenizers` library.
 
-Texts are stripped (as sentence-transformers does), truncated at the model's max length (special
+Texts are tokenized as they are, surrounding spaces and newlines included, as sentence-transformers
+(since v6) and text-embeddings-inference do: for a byte-level tokenizer (Qwen3's) they are tokens of
+their own. They are truncated at the model's max length (special
 tokens included) and never padded: the engine packs sequences back to back. Each result says how
 many tokens were kept and whether the text was cut. Batch encoding runs in Rust threads and
 releases the GIL, so a pipeline thread can tokenize while the engine computes; its fast variant
@@ -200,10 +202,10 @@ class TextTokenizer:
         truncation_direction "Left" asks for (a pair is cut longest first, each text from its start).
         Through the library whole, for a rare request: none of encode()'s shortcuts."""
         if seconds is None:
-            encodings = self._from_left.encode_batch([text.strip() for text in firsts])
+            encodings = self._from_left.encode_batch(list(firsts))
             return Encoded(ids=[np.asarray(e.ids, dtype=np.int32) for e in encodings],
                            truncated=[bool(e.overflowing) for e in encodings])
-        pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
+        pairs = list(zip(firsts, seconds, strict=True))
         results = dict(enumerate(_pair_result(e) for e in self._from_left.encode_batch(pairs)))
         return _encoded_pairs(results, len(pairs))
 
@@ -227,7 +229,7 @@ class TextTokenizer:
         tokenizing (17,900-character documents took 0.44 ms each against 0.18 for their first 3,000).
         A head that does not overflow is tokenized again whole.
         """
-        texts = [text.strip() for text in texts]
+        texts = list(texts)
         heads = [_cut(text, self._head_chars, self._cut_points) if self._cuts else text for text in texts]
         encoded = self._encode(heads)
         short = [row for row, (text, head) in enumerate(zip(texts, heads))
@@ -241,7 +243,7 @@ class TextTokenizer:
         return Encoded(ids=ids, truncated=truncated)
 
     def _encode(self, texts: list[str]) -> Encoded:
-        """encode() of stripped texts, each read whole."""
+        """encode() of texts, each read whole."""
         bare = [self._bare_text(text) for text in texts]
         results = [self._text_by_words(text, normal) for text, normal in zip(texts, bare)]
         rest = [row for row, result in enumerate(results) if result is None]
@@ -311,7 +313,7 @@ class TextTokenizer:
         tokenizer are put together word by word (_pair_by_words); the others go to the library
         (_pairs_by_library).
         """
-        pairs = [(a.strip(), b.strip()) for a, b in zip(firsts, seconds, strict=True)]
+        pairs = list(zip(firsts, seconds, strict=True))
         normal_forms = {text: self._bare_text(text) for pair in pairs for text in pair}  # a query recurs per pair
         normal = [(normal_forms[a], normal_forms[b]) for a, b in pairs]
         bare = [pair if None not in pair else None for pair in normal]

@@ -153,7 +153,7 @@ def test_cut_texts_give_the_whole_texts_tokens(tokenizers_dir: Path, monkeypatch
     monkeypatch.setattr(tokenize, "CUT_CHARS_PER_TOKEN", chars_per_token)
     path = tokenizer_path(kind, tokenizers_dir)
     texts = corpus_texts() + awkward_texts(max_length) + cjk_texts(max_length) + punctuated_texts(max_length)
-    expected = whole_tokenizer(path, max_length).encode_batch_fast([text.strip() for text in texts])
+    expected = whole_tokenizer(path, max_length).encode_batch_fast(texts)
 
     encoded = TextTokenizer(path, max_length, by_words=by_words(kind)).encode(texts)
 
@@ -179,7 +179,7 @@ def test_pairs_with_cut_documents_give_the_whole_pairs_tokens(tokenizers_dir: Pa
     # under and over it, where cutting the document against a query that is too long changes the result.
     queries = ["how do I read a file", *(" ".join(["word"] * n) for n in (29, 30, 31, 32, 33, 36, 45)), docs[0][:2000]]
     pairs = [(query, doc) for query in queries for doc in docs]
-    expected = whole_tokenizer(path, max_length).encode_batch_fast([(a.strip(), b.strip()) for a, b in pairs])
+    expected = whole_tokenizer(path, max_length).encode_batch_fast(pairs)
 
     tokenizer = TextTokenizer(path, max_length, by_words=by_words(kind))
     encoded = tokenizer.encode_pairs([a for a, _ in pairs], [b for _, b in pairs])
@@ -197,7 +197,7 @@ def test_more_pairs_than_cores_tokenize_only_their_documents_cuts(monkeypatch: p
     monkeypatch.setattr(tokenize, "CORES", 1)
     path, max_length, query = resolve_model(None).tokenizer_file, 64, "how do I read a file"
     docs = [text for text in corpus_texts() if text.isascii() and len(text) > 4 * max_length * CUT_CHARS_PER_TOKEN][:12]
-    expected = whole_tokenizer(path, max_length).encode_batch_fast([(query, doc.strip()) for doc in docs])
+    expected = whole_tokenizer(path, max_length).encode_batch_fast([(query, doc) for doc in docs])
     tokenizer = TextTokenizer(path, max_length, by_words=False)  # the library's route, which words would bypass
     tokenizer._bare_pieces  # noqa: B018 - makes the copy that counts the query's tokens, before the wrapping below
     tokenizer.tokenizer, tokenizer._bare = CountingTokenizer(tokenizer.tokenizer), CountingTokenizer(tokenizer._bare)
@@ -278,7 +278,7 @@ def test_a_long_text_is_read_from_its_head_unless_that_holds_too_few_tokens(toke
 
     assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected] and all(encoded.truncated)
     assert max(read[:len(docs)]) <= max_length * tokenize.HEAD_CHARS_PER_TOKEN < min(map(len, docs))
-    assert len(sparse.strip()) in read  # read whole the second time
+    assert len(sparse) in read  # read whole the second time
 
 
 @pytest.mark.parametrize("kind", ["wordpiece-library", "bpe", "qwen", "bpe-whitespace", "unigram"])
@@ -326,6 +326,24 @@ def test_long_texts_without_spaces_are_cut_at_punctuation(tokenizers_dir: Path, 
     assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected] and all(encoded.truncated)
     calls = tokenizer.tokenizer.calls + tokenizer._bare.calls
     assert max(itertools.chain.from_iterable(calls)) <= max_length * CUT_CHARS_PER_TOKEN * 2
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "qwen", "unigram"])
+def test_spaces_and_newlines_around_a_text_are_tokenized_as_they_are(tokenizers_dir: Path, kind: str) -> None:
+    """As sentence-transformers (since v6) and text-embeddings-inference give them to the model: for a
+    byte-level tokenizer (Qwen3's) they are tokens of their own, for WordPiece they are nothing."""
+    path = tokenizer_path(kind, tokenizers_dir)
+    texts = ["hello world", " hello world", "hello world ", "\nhello world\n", "  query: where  ", "\t"]
+    pairs = [(" a query", "a document\n"), ("a query ", " a document")]
+    whole = whole_tokenizer(path, 128)
+    tokenizer = TextTokenizer(path, 128, by_words=by_words(kind))
+
+    assert [ids.tolist() for ids in tokenizer.encode(texts).ids] == [e.ids for e in whole.encode_batch_fast(texts)]
+    assert [ids.tolist() for ids in tokenizer.encode_pairs(*zip(*pairs)).ids] == [
+        e.ids for e in whole.encode_batch_fast(pairs)]
+    if kind != "unigram":  # Metaspace folds some of them together, as the library does (checked above)
+        distinct = {tuple(ids.tolist()) for ids in tokenizer.encode(texts[:4]).ids}
+        assert len(distinct) == (1 if kind == "wordpiece" else 4)
 
 
 def test_a_cut_that_falls_short_is_widened_until_it_overflows() -> None:
@@ -377,8 +395,8 @@ def test_a_tokenizer_that_prepends_to_every_input_gives_the_librarys_ids(tmp_pat
     path = tmp_path / "prepend.json"
     tokenizer.save(str(path))
     docs = corpus_texts()[:50]
-    expected_pairs = whole_tokenizer(path, 128).encode_batch_fast([("a query", doc.strip()) for doc in docs])
-    expected_texts = whole_tokenizer(path, 128).encode_batch_fast([doc.strip() for doc in docs])
+    expected_pairs = whole_tokenizer(path, 128).encode_batch_fast([("a query", doc) for doc in docs])
+    expected_texts = whole_tokenizer(path, 128).encode_batch_fast(docs)
 
     encoded_pairs = TextTokenizer(path, 128).encode_pairs(["a query"] * len(docs), docs)
     encoded_texts = TextTokenizer(path, 128).encode(docs)
@@ -403,7 +421,7 @@ def test_pairs_put_together_from_pieces_give_the_whole_pairs_tokens(tokenizers_d
     # The last two queries need the whole pair encoded: one holds [CLS] (for WordPiece), one is long.
     queries = ["how to read a file", "Which CLASS\treads tokens?", "x", "y z", "[CLS] as text", docs[-1][:900]] * len(docs)
     pairs = list(zip(queries, docs))
-    expected = whole_tokenizer(path, max_length).encode_batch_fast([(a.strip(), b.strip()) for a, b in pairs])
+    expected = whole_tokenizer(path, max_length).encode_batch_fast(pairs)
     tokenizer = TextTokenizer(path, max_length, by_words=by_words(kind))
     tokenizer._bare_pieces  # noqa: B018 - makes the copy for pieces from the real tokenizer, before it is wrapped below
     # Whole pairs go to the tokenizer, or to its copy without the normalizer when they are ASCII.

@@ -68,6 +68,7 @@ class ModelFiles:
     score_activation: str | None = None  # a cross-encoder's recorded activation, as a dotted torch class name
     dense: tuple[DenseLayer, ...] = ()  # applied in order to the pooled vector, before normalisation
     similarity: str | None = None  # sentence-transformers' similarity_fn_name (None: unset, which it reads as cosine)
+    truncate_dim: int | None = None  # sentence-transformers' truncate_dim: the dimensions its vectors keep by default
 
     @property
     def tokenizer_file(self) -> Path:
@@ -97,7 +98,11 @@ def resolve_model(name: str | None) -> ModelFiles:
     if "Dense" in classes and ("Pooling" not in classes or classes.index("Dense") < classes.index("Pooling")):
         raise UserError(f"{path}: modules.json has a Dense module on the token vectors, before any pooling; "
                         "embedctl runs Dense modules on the pooled vector only")
-    pooling, includes_prompt = _pooling(path, modules)
+    if "Normalize" in classes and "Dense" in classes[classes.index("Normalize"):]:
+        raise UserError(f"{path}: modules.json normalises the vector before a Dense module, which embedctl does not "
+                        "do (it normalises last); its vectors would differ from the model's")
+    pooling, includes_prompt = _pooling(path, modules, config)
+    _check_tokenizer_settings(path)
     dense = tuple(_dense(path / m.get("path", "")) for m, kind in zip(modules, classes) if kind == "Dense")
     quantization = next((QUANTIZERS[kind] for kind in classes if kind in QUANTIZERS), None)
     st_file = path / "config_sentence_transformers.json"
@@ -105,6 +110,11 @@ def resolve_model(name: str | None) -> ModelFiles:
     prompts = st_config.get("prompts") or {}
     if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
         raise UserError(f"{st_file}: prompts must map names to texts; repair or replace the model's files")
+    truncate_dim = st_config.get("truncate_dim")
+    if truncate_dim is not None and (isinstance(truncate_dim, bool) or not isinstance(truncate_dim, int)
+                                     or truncate_dim < 1):
+        raise UserError(f"{st_file}: truncate_dim {truncate_dim!r} is not a whole number of dimensions; repair or "
+                        "replace the model's files")
     similarity = st_config.get("similarity_fn_name")
     if similarity is not None and not isinstance(similarity, str):
         raise UserError(f"{st_file}: similarity_fn_name must be a name such as \"cosine\"; repair or replace the "
@@ -114,7 +124,8 @@ def resolve_model(name: str | None) -> ModelFiles:
                       default_prompt_name=st_config.get("default_prompt_name"), pooling_includes_prompt=includes_prompt,
                       score_activation=st_config.get("activation_fn")
                       or (config.get("sentence_transformers") or {}).get("activation_fn")
-                      or config.get("sbert_ce_default_activation_function"), dense=dense, similarity=similarity)
+                      or config.get("sbert_ce_default_activation_function"), dense=dense, similarity=similarity,
+                      truncate_dim=truncate_dim)
 
 
 def match_state_dict(expected: Mapping[str, torch.Tensor], weights: dict[str, torch.Tensor], prefixes: tuple[str, ...],
@@ -321,11 +332,15 @@ def _locate(name: str) -> Path:
                         "download it where there is a network and pass its directory with --model") from None
 
 
-def _pooling(path: Path, modules: list[dict]) -> tuple[str, bool]:
-    """The engine's pooling mode and the Pooling module's include_prompt, as sentence-transformers reads them."""
+def _pooling(path: Path, modules: list[dict], config: dict) -> tuple[str, bool]:
+    """The engine's pooling mode and the Pooling module's include_prompt, as sentence-transformers reads them:
+    without a Pooling module, the last token for a model made for causal language modelling (unless its config
+    says is_causal false), else the mean."""
     pooling_module = next((m for m in modules if str(m.get("type", "")).endswith("Pooling")), None)
     if pooling_module is None:
-        return "mean", True
+        architectures = config.get("architectures") or [""]
+        causal_lm = str(architectures[0]).endswith("ForCausalLM") and config.get("is_causal", True) is not False
+        return ("last" if causal_lm else "mean"), True
     config_file = path / pooling_module.get("path", "1_Pooling") / "config.json"
     config = _read_json(config_file)
     modes = config.get("pooling_mode")
@@ -359,6 +374,21 @@ def _dense(path: Path) -> DenseLayer:
     except (KeyError, TypeError, ValueError):
         raise UserError(f"{path / 'config.json'}: a Dense module needs whole-number in_features and out_features; "
                         "repair or replace the model's files") from None
+
+
+def _check_tokenizer_settings(path: Path) -> None:
+    """Refuse the settings with which sentence-transformers tokenizes otherwise than tokenizer.json does:
+    lowercasing added by sentence_bert_config.json's do_lower_case, and tokenizer_config.json's
+    truncation_side left (the end of a long text kept)."""
+    st_file, tokenizer_config_file = path / "sentence_bert_config.json", path / "tokenizer_config.json"
+    if st_file.is_file() and _read_json(st_file).get("do_lower_case") is True:
+        normalizer = json.dumps(_read_json(path / "tokenizer.json").get("normalizer"))
+        if '"Lowercase"' not in normalizer and '"lowercase": true' not in normalizer:
+            raise UserError(f"{st_file}: do_lower_case true lowercases texts that tokenizer.json does not, which "
+                            "embedctl does not do; its vectors would differ from the model's")
+    if tokenizer_config_file.is_file() and _read_json(tokenizer_config_file).get("truncation_side") == "left":
+        raise UserError(f"{tokenizer_config_file}: truncation_side left keeps the end of a long text, which embedctl "
+                        "does not do (it keeps the start); its vectors of long texts would differ from the model's")
 
 
 def _max_length(path: Path, config: dict) -> int:

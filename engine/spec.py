@@ -91,11 +91,16 @@ class ModelSpec:
             width = layer.out_features
         if config.dim is not None and config.dim > width:
             raise UserError(f"--dim {config.dim} is larger than the model's {width} dimensions; pick at most {width}")
+        if config.dim is None and files.truncate_dim is not None and files.truncate_dim > width:
+            raise UserError(f"{files.name}: its truncate_dim {files.truncate_dim} (config_sentence_transformers.json) "
+                            f"is larger than its {width} dimensions; repair the model's files, or pass --dim")
         normalize = files.normalize if config.normalize is None else config.normalize
         if files.quantization and normalize:
             raise UserError(f"{files.name} outputs {files.quantization} vectors (round(tanh(x) * 127)), which "
                             "are compared by cosine and not normalised; drop --normalize")
-        return cls(files, family, 0, files.pooling, normalize, config.dim or width, max_length,
+        # truncate_dim cuts the vector (Matryoshka) as --dim does, normalised after the cut: sentence-transformers
+        # cuts its normalised vector, so that its rows have the same directions (cosine 1) but not unit length.
+        return cls(files, family, 0, files.pooling, normalize, config.dim or files.truncate_dim or width, max_length,
                    files.quantization, False, ids_past_table)
 
     @property

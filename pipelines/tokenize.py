@@ -673,9 +673,10 @@ def resolve_prompt(files: ModelFiles, role: str | None, text: str | None, name: 
     default prompt (all that its plain encode() applies); else nothing.
     """
     prompt = _chosen_prompt(files, role, text, name)
-    if prompt and files.pooling == "mean" and not files.pooling_includes_prompt:
+    if prompt and files.pooling != "last" and not files.pooling_includes_prompt:
         flag = "--query-prompt" if role == "query" else "--doc-prompt"
-        raise UserError(f"{files.name} leaves its prompt {prompt!r} out of its mean pooling (include_prompt false "
+        pooling = "mean" if files.pooling == "mean" else "CLS token"
+        raise UserError(f"{files.name} leaves its prompt {prompt!r} out of its {pooling} pooling (include_prompt false "
                         f"in its Pooling config), which embedctl does not do; embed without it ({flag} '' on the "
                         "command line, prompt='' in Python)")
     return prompt

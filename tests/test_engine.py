@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -482,6 +483,17 @@ def _edit_json(path, **changes: object) -> None:
      "the max length 'abc' is not a whole number of tokens"),
     (lambda d: (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": ["query: "]})),
      "prompts must map names to texts"),
+    (lambda d: (d / "modules.json").write_text(json.dumps(json.loads((d / "modules.json").read_text()) + [
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+        {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}])),
+     "normalises the vector before a Dense module, which embedctl does not do"),
+    (lambda d: ((d / "sentence_bert_config.json").write_text(json.dumps({"do_lower_case": True})),
+                _edit_json(d / "tokenizer.json", normalizer={"type": "BertNormalizer", "lowercase": False})),
+     "do_lower_case true lowercases texts that tokenizer.json does not"),
+    (lambda d: _edit_json(d / "tokenizer_config.json", truncation_side="left"),
+     "truncation_side left keeps the end of a long text, which embedctl does not do"),
+    (lambda d: (d / "config_sentence_transformers.json").write_text(json.dumps({"truncate_dim": 1.5})),
+     "truncate_dim 1.5 is not a whole number of dimensions"),
 ])
 def test_sentence_transformers_files_it_cannot_follow_are_refused_in_one_line(random_bert, edit, message: str) -> None:
     edit(random_bert)
@@ -521,15 +533,54 @@ def test_model_files_that_do_not_hold_together_are_one_line_not_a_traceback(rand
         Engine.load(str(random_bert), EngineConfig(device="cpu"))
 
 
-def test_a_prompt_its_mean_pooling_leaves_out_is_refused_rather_than_pooled(random_bert) -> None:
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_a_prompt_its_pooling_leaves_out_is_refused_rather_than_pooled(random_bert, pooling: str) -> None:
+    """sentence-transformers pools without the prompt's tokens: for CLS pooling the first token after it."""
     from pipelines.tokenize import resolve_prompt
 
-    _edit_json(random_bert / "1_Pooling" / "config.json", include_prompt=False)
+    modes = {"mean": "mean", "cls": "CLS token"}
+    _edit_json(random_bert / "1_Pooling" / "config.json", include_prompt=False, pooling_mode_mean_tokens=pooling == "mean",
+               pooling_mode_cls_token=pooling == "cls")
     (random_bert / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "query: "}}))
     files = Engine.load(str(random_bert), EngineConfig(device="cpu")).files
-    with pytest.raises(UserError, match="leaves its prompt 'query: ' out of its mean pooling .*--query-prompt ''"):
+    with pytest.raises(UserError, match=f"leaves its prompt 'query: ' out of its {modes[pooling]} pooling .*--query-prompt ''"):
         resolve_prompt(files, "query", None, None)
     assert resolve_prompt(files, "query", "", None) == "" and resolve_prompt(files, "document", None, None) == ""
+
+
+def test_truncate_dim_is_the_default_dim_as_sentence_transformers_reads_it(random_bert) -> None:
+    """Its vectors are cut to truncate_dim; ours are normalised after the cut, sentence-transformers' before it."""
+    from sentence_transformers import SentenceTransformer
+
+    modules = json.loads((random_bert / "modules.json").read_text())
+    (random_bert / "modules.json").write_text(json.dumps(modules + [
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (random_bert / "config_sentence_transformers.json").write_text(json.dumps({"truncate_dim": 16}))
+    expected = SentenceTransformer(str(random_bert), device="cpu").encode(TEXTS[:3])
+    ours = embedctl.load(str(random_bert), device="cpu")
+    vectors = ours.embed(TEXTS[:3])
+    assert ours.dim == 16 and vectors.shape == expected.shape == (3, 16)
+    np.testing.assert_allclose(vectors, expected / np.linalg.norm(expected, axis=1, keepdims=True), atol=1e-5)
+    assert embedctl.load(str(random_bert), device="cpu", dim=32).dim == 32  # --dim wins
+    (random_bert / "config_sentence_transformers.json").write_text(json.dumps({"truncate_dim": 4096}))
+    with pytest.raises(UserError, match="its truncate_dim 4096 .* is larger than its 64 dimensions"):
+        embedctl.load(str(random_bert), device="cpu")
+
+
+def test_a_causal_lm_without_sentence_transformers_files_pools_its_last_token_as_they_would(tmp_path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    from tests.test_qwen3 import save_random_qwen3
+
+    for causal in (True, False):
+        path = save_random_qwen3(tmp_path / f"causal-{causal}", "Qwen3ForCausalLM", causal=causal)
+        for name in ("modules.json", "config_sentence_transformers.json"):
+            (path / name).unlink(missing_ok=True)
+        shutil.rmtree(path / "1_Pooling")
+        expected = SentenceTransformer(str(path), device="cpu").encode(TEXTS[:3])
+        ours = embedctl.load(str(path), device="cpu")
+        assert ours.engine.pooling == ("last" if causal else "mean")
+        np.testing.assert_allclose(ours.embed(TEXTS[:3]), expected, atol=1e-4)
 
 
 def test_the_python_api_puts_prompts_first_as_sentence_transformers_and_the_pipelines_do(random_bert) -> None:

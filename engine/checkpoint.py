@@ -86,6 +86,12 @@ def resolve_model(name: str | None) -> ModelFiles:
     if not any((path / f).is_file() for f in WEIGHT_FILES):
         missing.append(" or ".join(WEIGHT_FILES))
     if missing:
+        modules = _read_list(path / "modules.json") if (path / "modules.json").is_file() else []
+        inner = next((m.get("path") for m in modules if str(m.get("type", "")).endswith(".Transformer")), "")
+        if inner and isinstance(inner, str) and (path / inner / "config.json").is_file():
+            raise UserError(f"{path}: its Transformer module is in {inner}/ (sentence-transformers' layout before "
+                            "v2), which embedctl does not read; save the model again with a newer "
+                            "sentence-transformers (SentenceTransformer(path).save(new_path)) and pass that")
         raise UserError(f"model directory {path} is missing {', '.join(missing)}; "
                         "point --model at a complete Hugging Face model directory")
     config = _read_json(path / "config.json")
@@ -361,6 +367,8 @@ def _dense(path: Path) -> DenseLayer:
     problem = None
     if settings.get("module_input_name", "sentence_embedding") != "sentence_embedding":
         problem = "its input is not the pooled vector"
+    elif settings.get("module_output_name", "sentence_embedding") != "sentence_embedding":
+        problem = "its output is not the sentence embedding"
     elif settings.get("use_residual"):
         problem = "it adds a residual"
     elif not activation.startswith("torch.") or kind not in DENSE_ACTIVATIONS:

@@ -441,6 +441,26 @@ def test_dense_modules_after_the_pooling_are_applied_as_sentence_transformers_do
     assert Engine.load(str(tmp_path / "dense"), EngineConfig(device="cpu")).spec.weights_sha256 != digest
 
 
+def test_a_dense_module_writing_elsewhere_and_the_old_subfolder_layout_are_one_line(random_bert, tmp_path) -> None:
+    save_dense_model(random_bert, tmp_path / "dense", torch.nn.Tanh())
+    dense_config = next((tmp_path / "dense").glob("*Dense*/config.json"))
+    _edit_json(dense_config, module_output_name="token_embeddings")
+    with pytest.raises(UserError, match="cannot run this Dense module: its output is not the sentence embedding"):
+        Engine.load(str(tmp_path / "dense"), EngineConfig(device="cpu"))
+
+    # sentence-transformers before v2 kept the Hugging Face files in 0_Transformer/ (0_BERT/ before that)
+    inner = random_bert / "0_Transformer"
+    inner.mkdir()
+    for file in [*random_bert.glob("*.json"), random_bert / "model.safetensors", random_bert / "vocab.txt"]:
+        if file.name != "modules.json" and file.exists():
+            file.rename(inner / file.name)
+    modules = json.loads((random_bert / "modules.json").read_text())
+    modules[0]["path"] = "0_Transformer"
+    (random_bert / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(UserError, match="its Transformer module is in 0_Transformer/ .* save the model again"):
+        Engine.load(str(random_bert), EngineConfig(device="cpu"))
+
+
 @pytest.mark.parametrize("layout", ["config.json before v4", "config_sentence_transformers.json since v6"])
 def test_a_cross_encoders_recorded_activation_is_applied_as_sentence_transformers_does(tmp_path, layout: str) -> None:
     from sentence_transformers import CrossEncoder

@@ -163,7 +163,7 @@ NOT_READY = ("Not ready: the model is warming up (retry after Retry-After), its 
 CLIENT_GONE = 499  # the metrics' status for a request whose client disconnected before its reply
 # Requests with bodies this large are watched for their client going away while they run, so that an
 # abandoned one stops holding the queue; for smaller ones (a query: milliseconds) the watch would cost
-# more than it saves.
+# more than it saves, and their client's leaving is only noticed when the reply is ready (_gone).
 WATCH_BYTES = 16 << 10
 # Seconds a request's body may take to arrive before it is refused with a 408: a client that stalls mid-body
 # would otherwise hold its connection, and a shutdown's drain, for ever. One deadline for the whole body, not
@@ -1253,7 +1253,7 @@ class _Front:
             except asyncio.CancelledError:  # a shutdown cut it off (its time to drain ran out, or a forced quit)
                 return await _refuse(send, path, ApiError(503, "the server is shutting down and cut this request off; "
                                                                "send it again", RETRY_AFTER))
-            return CLIENT_GONE if reply is None else await _reply(send, 200, reply)
+            return CLIENT_GONE if reply is None or _gone(receive) else await _reply(send, 200, reply)
         except ApiError as error:
             return await _refuse(send, path, error)
         except Exception:  # noqa: BLE001 - one broken request gets a 500; the server goes on
@@ -1334,6 +1334,13 @@ def _clipped(number: int) -> str:
 def _is_json(content_type: bytes) -> bool:
     media = content_type.split(b";")[0].strip().lower()
     return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
+def _gone(receive: Receive) -> bool:
+    """Whether the client has disconnected, as far as the server has seen: read from uvicorn's request cycle,
+    whose receive() this is, at no cost; for a request too small to be watched (_unless_gone), so that /metrics
+    counts an abandoned one as 499 and not 200 (its reply would go nowhere). False under another server."""
+    return getattr(getattr(receive, "__self__", None), "disconnected", False) is True
 
 
 async def _unless_gone(work: Awaitable[bytes], receive: Receive) -> bytes | None:
@@ -1424,8 +1431,7 @@ class _Metrics:
             lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
 
         with self.lock:
-            family("embedctl_requests_total", "counter", "HTTP requests by endpoint and status; 499: the client left "
-                   f"before its reply (noticed for bodies of {WATCH_BYTES >> 10} KiB or more).",
+            family("embedctl_requests_total", "counter", "HTTP requests by endpoint and status; 499: the client left before its reply.",
                    [f'embedctl_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
             family("embedctl_request_duration_seconds", "histogram", "Time from request to response, by endpoint.",
                    [line for e, h in sorted(self.latency.items())

@@ -724,6 +724,25 @@ def test_a_client_that_goes_away_takes_its_request_out_of_the_queue(server: Serv
     assert client.post("/embed", json={"inputs": "still serving"}).status_code == 200
 
 
+def test_a_small_request_whose_client_gave_up_counts_as_499_not_200(server: Server, client: httpx.Client) -> None:
+    """Too small to be watched while it waits (WATCH_BYTES), its client's leaving is seen when its reply is ready."""
+    ok_before, gone_before = requests_total(client, "/embed", 200), requests_total(client, "/embed", CLIENT_GONE)
+    with ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(client.post, "/embed", json={"inputs": [LONG + str(i) for i in range(32)]})  # ~16k tokens
+        deadline = time.monotonic() + 30
+        while metric(client, "embedctl_queue_depth") == 0:
+            assert time.monotonic() < deadline, "the request never reached the queue"
+            time.sleep(0.002)
+        with pytest.raises(httpx.TimeoutException):
+            client.post("/embed", json={"inputs": "a query that waits"}, timeout=0.2)
+        assert ahead.result().status_code == 200
+    deadline = time.monotonic() + 30
+    while requests_total(client, "/embed", CLIENT_GONE) == gone_before:
+        assert time.monotonic() < deadline, "the abandoned request was not counted as 499"
+        time.sleep(0.01)
+    assert requests_total(client, "/embed", 200) == ok_before + 1  # the one ahead only
+
+
 def read_reply(raw: socket.socket) -> bytes:
     """What the server sent on a raw connection until it closed it."""
     raw.settimeout(10)

@@ -45,13 +45,13 @@ class Embedder:
         return self._embed(texts, resolve_prompt(self.engine.files, None, prompt, prompt_name))
 
     def embed_query(self, texts: Sequence[str]) -> np.ndarray:
-        """embed() with the prompt `embedctl score` puts before queries: the model's query prompt, else its default
-        prompt (as sentence-transformers' encode_query chose before its 6.x releases)."""
+        """embed() with the prompt `embedctl score` puts before queries: the model's query prompt, else none (as
+        sentence-transformers' encode_query, which since v6 never falls back to the default prompt)."""
         return self._embed(texts, resolve_prompt(self.engine.files, "query", None, None))
 
     def embed_document(self, texts: Sequence[str]) -> np.ndarray:
-        """embed() with the prompt `embedctl index` puts before documents: the model's document (or passage)
-        prompt, else its default prompt (as sentence-transformers' encode_document chose before its 6.x releases)."""
+        """embed() with the prompt `embedctl index` puts before documents: the model's document (or passage, or
+        corpus) prompt, else none (as sentence-transformers' encode_document since v6)."""
         return self._embed(texts, resolve_prompt(self.engine.files, "document", None, None))
 
     def _embed(self, texts: Sequence[str], prompt: str) -> np.ndarray:

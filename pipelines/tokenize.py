@@ -669,8 +669,8 @@ def resolve_prompt(files: ModelFiles, role: str | None, text: str | None, name: 
     """The text put in front of every input of `role` ("query", "document", or None for no role).
 
     An explicit text wins; then a prompt name from the model's sentence-transformers config; then, as
-    sentence-transformers' encode_query/encode_document do, the model's prompt for that role, or its
-    default prompt (all that its plain encode() applies); else nothing.
+    sentence-transformers' encode_query/encode_document do (since v6), the model's prompt for that role,
+    else nothing; without a role, as its plain encode() does, the model's default prompt, else nothing.
     """
     prompt = _chosen_prompt(files, role, text, name)
     if prompt and files.pooling != "last" and not files.pooling_includes_prompt:
@@ -698,4 +698,6 @@ def _chosen_prompt(files: ModelFiles, role: str | None, text: str | None, name: 
     for candidate in ROLE_PROMPTS.get(role, ()):
         if candidate in files.prompts:
             return files.prompts[candidate]
+    if role is not None:  # encode_query and encode_document never fall back to the default prompt (since v6)
+        return ""
     return files.prompts.get(files.default_prompt_name, "") if files.default_prompt_name else ""

@@ -625,3 +625,12 @@ def test_the_python_api_puts_prompts_first_as_sentence_transformers_and_the_pipe
         np.testing.assert_allclose(ours.embed(texts, prompt_name=name), reference.encode(texts, prompt_name=name),
                                    atol=1e-5)
         np.testing.assert_allclose(ours.embed(texts, prompt_name=name), ours.embed(texts, prompt=""), atol=1e-6)
+    # Its default prompt is what plain encode() puts first, and encode_query / encode_document never do.
+    (random_bert / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"topic": "topic: "}, "default_prompt_name": "topic"}))
+    reference, ours = SentenceTransformer(str(random_bert), device="cpu"), embedctl.load(str(random_bert), device="cpu")
+    np.testing.assert_allclose(ours.embed(texts), reference.encode(texts), atol=1e-5)
+    np.testing.assert_allclose(ours.embed_query(texts), reference.encode_query(texts), atol=1e-5)
+    np.testing.assert_allclose(ours.embed_document(texts), reference.encode_document(texts), atol=1e-5)
+    np.testing.assert_allclose(ours.embed_query(texts), ours.embed(texts, prompt=""), atol=1e-6)
+    assert not np.allclose(ours.embed(texts), ours.embed_query(texts), atol=1e-3)

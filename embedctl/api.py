@@ -55,6 +55,10 @@ class Embedder:
         return self._embed(texts, resolve_prompt(self.engine.files, "document", None, None))
 
     def _embed(self, texts: Sequence[str], prompt: str) -> np.ndarray:
+        if self.engine.num_labels:  # its engine and tokenizer still serve pipelines.score's rerank()
+            raise UserError(f"{self.engine.files.name} is a cross-encoder: it scores query-document pairs and has no "
+                            "vectors to embed; load an embedding model, and rerank with this one through `embedctl "
+                            "score --reranker` or serve's /rerank")
         if isinstance(texts, str):
             raise TypeError("embed() takes a list of texts; wrap a single text in a list")
         if isinstance(texts, (bytes, bytearray)):
@@ -65,6 +69,10 @@ class Embedder:
             raise TypeError(f"embed() takes a list of texts, not {type(texts).__name__}") from None
         if (bad := next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)) is not None:
             raise TypeError(f"texts[{bad}] is {type(texts[bad]).__name__}, not a string; embed() takes a list of texts")
+        if (bad := next((i for i, text in enumerate(texts) if not text.isascii() and not _encodable(text)), None)) is not None:
+            raise UserError(f"texts[{bad}] holds a lone surrogate (a \\ud800-\\udfff code point, as an unpaired JSON "
+                            "escape decodes to), which is not valid Unicode and no tokenizer takes; remove it, e.g. "
+                            "text.encode('utf-8', 'replace').decode()")
         return self.engine.embed(self.tokenizer.encode([prompt + text for text in texts] if prompt else texts).ids)
 
 
@@ -76,9 +84,19 @@ def load(model: str | os.PathLike[str] | None = None, **options: object) -> Embe
     """
     from engine import Engine
 
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"load() takes a model directory or hub id as a string or path, not {type(model).__name__}")
     known = [field.name for field in dataclasses.fields(EngineConfig)]
     for name in options.keys() - set(known):
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(known)}"
         raise UserError(f"load() has no option {name!r}; {hint}")
     return Embedder(Engine.load(None if model is None else os.fspath(model), EngineConfig(**options)))
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

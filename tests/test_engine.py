@@ -403,6 +403,21 @@ def test_load_takes_a_path_and_embed_names_what_it_was_given_instead_of_texts(mi
     for given, name in ((b"hi", "bytes"), (None, "NoneType"), (5, "int")):
         with pytest.raises(TypeError, match=f"embed\\(\\) takes a list of texts, not {name}"):
             minilm.embed(given)
+    with pytest.raises(TypeError, match="load\\(\\) takes a model directory or hub id as a string or path, not int"):
+        embedctl.load(5)
+    # A lone surrogate, as json.loads makes of an unpaired "\\ud800" escape: one line naming the text, not a
+    # TypeError from inside the tokenizer.
+    with pytest.raises(UserError, match=r"^texts\[1\] holds a lone surrogate .* remove it"):
+        minilm.embed(["fine", json.loads('"a\\ud800b"'), "also fine"])
+
+
+def test_a_cross_encoder_embeds_nothing_having_no_vectors(tmp_path) -> None:
+    """Its one score per text alone came back as a [n, 1] "vector"."""
+    path = save_random_model(tmp_path / "ce", "BertForSequenceClassification", num_labels=1)
+    reranker = embedctl.load(str(path), device="cpu")
+    for embed in (reranker.embed, reranker.embed_query, reranker.embed_document):
+        with pytest.raises(UserError, match="is a cross-encoder: it scores query-document pairs and has no vectors"):
+            embed(["a query", "a document"])
 
 
 def test_a_model_saved_by_sentence_transformers_6_loads_as_it_reads_it(random_bert, tmp_path) -> None:

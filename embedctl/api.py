@@ -69,7 +69,7 @@ class Embedder:
             raise TypeError(f"embed() takes a list of texts, not {type(texts).__name__}") from None
         if (bad := next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)) is not None:
             raise TypeError(f"texts[{bad}] is {type(texts[bad]).__name__}, not a string; embed() takes a list of texts")
-        if (bad := next((i for i, text in enumerate(texts) if not text.isascii() and not _encodable(text)), None)) is not None:
+        if (bad := next((i for i, text in enumerate(texts) if not _encodable(text)), None)) is not None:
             raise UserError(f"texts[{bad}] holds a lone surrogate (a \\ud800-\\udfff code point, as an unpaired JSON "
                             "escape decodes to), which is not valid Unicode and no tokenizer takes; remove it, e.g. "
                             "text.encode('utf-8', 'replace').decode()")
@@ -95,6 +95,9 @@ def load(model: str | os.PathLike[str] | None = None, **options: object) -> Embe
 
 
 def _encodable(text: str) -> bool:
+    """Whether text is valid Unicode (no lone surrogate), as a tokenizer takes it; ASCII at once."""
+    if text.isascii():
+        return True
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

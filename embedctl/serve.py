@@ -1431,7 +1431,8 @@ class _Metrics:
             lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
 
         with self.lock:
-            family("embedctl_requests_total", "counter", "HTTP requests by endpoint and status; 499: the client left before its reply.",
+            family("embedctl_requests_total", "counter",
+                   "HTTP requests by endpoint and status; 499: the client left before its reply.",
                    [f'embedctl_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
             family("embedctl_request_duration_seconds", "histogram", "Time from request to response, by endpoint.",
                    [line for e, h in sorted(self.latency.items())

@@ -7,7 +7,7 @@ Queries are held in memory; documents are not. Each chunk of document vectors is
 query in one matrix product on the engine's device and merged into a running top-k per query
 (RunningTopK), so a corpus of any size needs memory for one chunk and k hits per query. The top-k is
 exact, and equal scores rank in document order. The similarity is the model's, as sentence-transformers'
-similarity_fn_name names it: cosine (also when unnamed), dot, or euclidean or manhattan (the distance negated). A reranker (a cross-encoder engine) then rescores each
+similarity_fn_name names it (pipelines.similarity). A reranker (a cross-encoder engine) then rescores each
 query's top hits as packed (query, document) pairs. The run is written at the end, to stdout or to a
 temporary file renamed onto --out, so no half-written run file is ever left; metrics against qrels come
 from pipelines.qrels.
@@ -49,6 +49,8 @@ from pipelines.writers import database_tables, setting_name, setting_value, tabl
 
 FORMATS = ("jsonl", "trec")
 TREC_RUN_TAG = "embedctl"
+# Names of an open file descriptor, which --out writes into rather than replaces (see _written_in_place).
+_DESCRIPTOR_PATH = re.compile(r"/dev/(?:stdin|stdout|stderr|fd/\d+)|/proc/(?:self|thread-self|\d+)/fd/\d+")
 # Rows of queries scored in one matrix product: bounds the score matrix for large query sets.
 QUERY_BLOCK = 4096
 # Queries whose (query, document) pairs are tokenized and reranked together: bounds the pairs in memory.
@@ -161,10 +163,9 @@ class Ranking:
 class RunningTopK:
     """The exact top-k documents per query, over document vectors that arrive in chunks.
 
-    Scores are pipelines.similarity's, by the named similarity: dot products by default (cosines for
-    L2-normalised vectors).
-    Documents are numbered in the order they arrive; among equal scores the earlier document ranks first,
-    whatever the chunking.
+    Scores are pipelines.similarity's by the named similarity: dot products by default (cosines for
+    L2-normalised vectors). Documents are numbered in the order they arrive; among equal scores the
+    earlier document ranks first, whatever the chunking.
     """
 
     def __init__(self, queries: torch.Tensor, k: int, similarity: str = "dot") -> None:
@@ -693,9 +694,6 @@ def _written_in_place(out: str) -> bool:
         return False  # not there yet (or a dangling link): a new file
 
 
-_DESCRIPTOR_PATH = re.compile(r"/dev/(?:stdin|stdout|stderr|fd/\d+)|/proc/(?:self|thread-self|\d+)/fd/\d+")
-
-
 def _hits(ranking: Ranking) -> Iterator[tuple[str, str, int, float]]:
     for query_id, doc_ids, scores in zip(ranking.query_ids, ranking.doc_ids, ranking.scores):
         for rank_, (doc_id, score) in enumerate(zip(doc_ids, scores.tolist()), start=1):
@@ -721,9 +719,9 @@ def _vectors(engine: Engine, tokenizer: TextTokenizer, texts: list[str], prompt:
     encoded = tokenizer.encode([prompt + text for text in texts])
     if engine.ids_past_table and (why := encoded.past_table(engine.vocab_size, where)):
         raise UserError(why)
-    vectors = torch.from_numpy(engine.embed(encoded.ids))
-    vectors = vectors.to(engine.device)
-    return (unit(vectors) if normalize and not engine.normalize else vectors.float()), sum(len(row) for row in encoded.ids)
+    vectors = torch.from_numpy(engine.embed(encoded.ids)).to(engine.device)
+    vectors = unit(vectors) if normalize and not engine.normalize else vectors.float()
+    return vectors, sum(len(row) for row in encoded.ids)
 
 
 def _read_queries(options: ScoreOptions) -> Queries:

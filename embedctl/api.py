@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -91,7 +92,27 @@ def load(model: str | os.PathLike[str] | None = None, **options: object) -> Embe
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(known)}"
         raise UserError(f"load() has no option {name!r}; {hint}")
-    return Embedder(Engine.load(None if model is None else os.fspath(model), EngineConfig(**options)))
+    try:
+        return Embedder(Engine.load(None if model is None else os.fspath(model), EngineConfig(**options)))
+    except UserError as error:  # its fix in load()'s terms: dim=1000, not --dim 1000
+        raise UserError(_CLI_OPTION.sub(_as_argument, str(error))) from None
+
+
+# The engine's options as its messages name them on the command line, and a value given after one (quoted,
+# a number, or one of the names that device, dtype and attention take).
+_CLI_OPTION = re.compile(r"--(attention|device|dim|dtype|lanes|max-batch-tokens|max-length|max-seqs|normalize|model)\b"
+                         r"(?: ('[^']*'|\d+\b|(?:cpu|cuda(?::\d+)?|auto|sdpa|varlen|flashinfer|triton|bf16|fp16|fp32|"
+                         r"b?float(?:16|32))\b))?")
+
+
+def _as_argument(match: re.Match) -> str:
+    """--device cpu as device='cpu', --dim 256 as dim=256, a bare --normalize as normalize=True."""
+    name, value = match.group(1).replace("-", "_"), match.group(2)
+    if value is None:
+        return f"{name}=True" if name == "normalize" else name
+    if value.startswith("'") or re.fullmatch(r"\d+", value):
+        return f"{name}={value}"
+    return f"{name}={value!r}"
 
 
 def _encodable(text: str) -> bool:

@@ -381,6 +381,21 @@ def test_python_options_of_the_wrong_type_are_refused_at_load(options: dict, mes
     assert EngineConfig(dim=np.int64(256)).dim == 256  # numpy's integers are whole numbers too
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    ({"device": "cpu", "attention": "triton"}, "attention backend 'triton' needs a CUDA GPU; use attention='sdpa' on "
+                                               "the CPU"),
+    ({"device": "cuda", "dtype": "fp32"}, "dtype='fp32' runs on the CPU only: .* pass dtype='bf16' .* or device='cpu'"),
+    ({"device": "cpu", "dim": 1000}, "dim=1000 is larger than the model's 384 dimensions; pick at most 384"),
+    ({"device": "cpu", "max_batch_tokens": 16}, "max_batch_tokens=16 is smaller than the max length 256; raise it or "
+                                                "lower max_length"),
+    ({"device": "cpu", "lanes": 0}, "^lanes must be at least 1, not 0"),
+])
+def test_load_names_the_fix_as_its_own_arguments_not_as_command_line_flags(options: dict, message: str) -> None:
+    with pytest.raises(embedctl.UserError, match=message) as error:
+        embedctl.load(**options)
+    assert "--" not in str(error.value)
+
+
 def test_an_unknown_option_of_load_is_a_user_error_that_suggests_the_name() -> None:
     with pytest.raises(embedctl.UserError, match="load\\(\\) has no option 'dims'; did you mean 'dim'\\?"):
         embedctl.load(dims=256)

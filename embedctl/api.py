@@ -26,6 +26,12 @@ from pipelines.tokenize import TextTokenizer, resolve_prompt
 if TYPE_CHECKING:  # importing embedctl (as its command line does) must not import torch
     from engine import Engine
 
+# The engine's options as its messages name them on the command line, and a value given after one (quoted,
+# a number, or one of the names that device, dtype and attention take).
+_CLI_OPTION = re.compile(r"--(attention|device|dim|dtype|lanes|max-batch-tokens|max-length|max-seqs|normalize|model)\b"
+                         r"(?: ('[^']*'|\d+\b|(?:cpu|cuda(?::\d+)?|auto|sdpa|varlen|flashinfer|triton|bf16|fp16|fp32|"
+                         r"b?float(?:16|32))\b))?")
+
 
 class Embedder:
     def __init__(self, engine: Engine) -> None:
@@ -96,13 +102,6 @@ def load(model: str | os.PathLike[str] | None = None, **options: object) -> Embe
         return Embedder(Engine.load(None if model is None else os.fspath(model), EngineConfig(**options)))
     except UserError as error:  # its fix in load()'s terms: dim=1000, not --dim 1000
         raise UserError(_CLI_OPTION.sub(_as_argument, str(error))) from None
-
-
-# The engine's options as its messages name them on the command line, and a value given after one (quoted,
-# a number, or one of the names that device, dtype and attention take).
-_CLI_OPTION = re.compile(r"--(attention|device|dim|dtype|lanes|max-batch-tokens|max-length|max-seqs|normalize|model)\b"
-                         r"(?: ('[^']*'|\d+\b|(?:cpu|cuda(?::\d+)?|auto|sdpa|varlen|flashinfer|triton|bf16|fp16|fp32|"
-                         r"b?float(?:16|32))\b))?")
 
 
 def _as_argument(match: re.Match) -> str:

@@ -348,15 +348,15 @@ def _pooling(path: Path, modules: list[dict], config: dict) -> tuple[str, bool]:
         causal_lm = str(architectures[0]).endswith("ForCausalLM") and config.get("is_causal", True) is not False
         return ("last" if causal_lm else "mean"), True
     config_file = path / pooling_module.get("path", "1_Pooling") / "config.json"
-    config = _read_json(config_file)
-    modes = config.get("pooling_mode")
+    settings = _read_json(config_file)
+    modes = settings.get("pooling_mode")
     if modes is None:  # written before sentence-transformers v5; no mode switched on means mean
-        modes = [mode for key, mode in LEGACY_POOLING_KEYS.items() if config.get(key)] or ["mean"]
+        modes = [mode for key, mode in LEGACY_POOLING_KEYS.items() if settings.get(key)] or ["mean"]
     modes = [modes] if isinstance(modes, str) else list(modes)
     if len(modes) != 1 or modes[0] not in POOLING_MODES:
         raise UserError(f"{config_file}: pooling by {' + '.join(map(str, modes))} is not supported; embedctl pools "
                         "by exactly one of mean, cls or lasttoken")
-    return POOLING_MODES[modes[0]], bool(config.get("include_prompt", True))
+    return POOLING_MODES[modes[0]], bool(settings.get("include_prompt", True))
 
 
 def _dense(path: Path) -> DenseLayer:

@@ -109,6 +109,7 @@ class IndexReport:
     skipped_empty: int = 0
     skipped_duplicate: int = 0
     numbered_files: int = 0  # files without the id column, whose rows got FILE:ROW ids
+    json_left_out: list[str] = field(default_factory=list)  # .json files a folder's walk found and did not read
     seconds: float = 0.0  # the run, less load_seconds
     load_seconds: float = 0.0  # loading the model, when a row needed it
     graphs: dict = field(default_factory=dict)
@@ -130,11 +131,14 @@ class IndexReport:
         written = f"{self.output} not written: {self.not_written}" if self.not_written else self.output
         numbered = (f"; the rows of {plural(self.numbered_files, 'file')} numbered FILE:ROW for want of an id column"
                     if self.numbered_files else "")
+        more = ", ..." if len(self.json_left_out) > 1 else ""
+        left_out = (f"; {plural(len(self.json_left_out), '.json file')} left out ({self.json_left_out[0]}{more}): "
+                    "name JSON lines in a glob (DIR/*.json) to read them" if self.json_left_out else "")
         dropped = (f"; the rebuilt table has none of the old one's indexes ({', '.join(self.dropped_indexes)}): "
                    "create them again" if self.dropped_indexes else "")
         return (f"{plural(self.rows_written + self.unchanged, 'row')}: {self.added:,} added, {self.updated:,} updated, "
                 f"{self.unchanged:,} unchanged, {self.deleted:,} deleted; {embedded}; {self.truncated:,} truncated, "
-                f"{self.skipped:,} skipped{numbered} -> {written}{dropped}")
+                f"{self.skipped:,} skipped{numbered}{left_out} -> {written}{dropped}")
 
     def _load(self) -> str:
         return f", after {self.load_seconds:.1f} s loading the model" if self.load_seconds else ""
@@ -308,6 +312,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
         raise
     report.rows_committed = store.committed_rows
     report.numbered_files = len(reader.numbered)
+    report.json_left_out = reader.json_left_out
     if progress is not None:
         progress(report.rows_written + report.unchanged + report.skipped, report.tokens, reader.total_rows)
     report.load_seconds = model.load_seconds if model.engines and not loaded_before else 0.0

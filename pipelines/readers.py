@@ -1,7 +1,8 @@
 """Streaming corpus reader: Parquet and JSONL shards in, chunks of (id, text) rows out.
 
 A CorpusReader resolves a file, directory or glob (local or any fsspec URL) to .parquet, .jsonl,
-.ndjson, .jsonl.gz and .ndjson.gz files (suffixes in any case), checks every Parquet schema and that
+.ndjson, .jsonl.gz and .ndjson.gz files (suffixes in any case; .json and .json.gz files too where a path
+or a glob names them, as Spark and C4 name JSON lines), checks every Parquet schema and that
 every JSONL file has the --keep keys up front, then yields Chunks of at most chunk_rows rows, one at a
 time, never a whole file. Every problem with the user's files becomes a one-line UserError that names
 the file (and the line for JSONL).
@@ -15,6 +16,7 @@ import codecs
 import fnmatch
 import json
 import math
+import os
 import posixpath
 import re
 import sys
@@ -28,6 +30,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
 
 from engine.errors import UserError, short_reason
 from pipelines.progress import plural
@@ -35,6 +38,10 @@ from pipelines.progress import plural
 _PARQUET = ".parquet"
 _SUFFIXES = (_PARQUET, ".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")  # compared in lower case
 _SUFFIX_LIST = ", ".join(_SUFFIXES[:-1]) + " or " + _SUFFIXES[-1]
+# JSON lines under a .json name (Spark's df.write.json, C4): read where the user names them, by path or by a glob
+# whose last part spells .json, not found by a folder's walk or DIR/*, where .json files are as often side files
+# (dataset_info.json).
+_JSON_SUFFIXES = (".json", ".json.gz")
 _GLOB = re.compile(r"[*?\[]")
 # A corpus file under a compression it is not read in (a .jsonl.gz is read): refused by name rather than left
 # out like a side file.
@@ -81,7 +88,7 @@ class CorpusReader:
             raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
         self.text_col, self.id_col, self.chunk_rows = text_col, id_col, chunk_rows
         self.keep = list(dict.fromkeys(keep))
-        self._fs, self._files = _resolve(path)
+        self._fs, self._files, self.json_left_out = _resolve(path)
         self.files: list[str] = [f.shown for f in self._files]
         # Every chunk's kept table gets one schema so the writer can fix its schema from the first.
         self._kept_schema: pa.Schema | None = None
@@ -159,7 +166,7 @@ class CorpusReader:
                 "pass --text-col with the column that holds the text"
             )
         text_type = schema.field(self.text_col).type
-        if not _is_text(text_type):
+        if not (_is_text(text_type) or pa.types.is_null(text_type)):  # null: pandas' type for a column of None
             raise UserError(
                 f"{f.shown}: column '{self.text_col}' is {text_type}, not a string; "
                 "pass --text-col with a string column"
@@ -309,6 +316,9 @@ class CorpusReader:
         except UnicodeDecodeError:
             raise UserError(f"{where}: not valid UTF-8; save the file as UTF-8") from None
         except json.JSONDecodeError as e:
+            if number == 1 and raw.lstrip().startswith(b"["):
+                raise UserError(f"{where}: starts a JSON array, not one object per line; write it as JSON lines "
+                                "(jq -c '.[]' FILE > FILE.jsonl)") from None
             if e.msg == "Extra data" and b"\r" in raw.rstrip(b"\r\n"):
                 raise UserError(f"{where}: holds several lines ended by a carriage return alone (old Mac line "
                                 "endings); convert them to newlines") from None
@@ -399,24 +409,32 @@ class CorpusReader:
         return table
 
 
-def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
-    """The files a path names, sorted, each with its shown name and its name relative to the base."""
+def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File], list[str]]:
+    """The files a path names, sorted, each with its shown name and its name relative to the base; and the .json
+    files that a folder's walk found and left out, as the user would spell them."""
     try:
         fs, root = fsspec.core.url_to_fs(path)
     except (ValueError, ImportError) as e:
         raise UserError(f"cannot open {path} ({short_reason(e)}); give a local path or an fsspec URL") from None
     try:
+        named: set[str] = set()  # files the glob itself matches, not found in a folder it matches
         if _GLOB.search(path):
             base = glob_base(path)
-            found = [p for match in fs.glob(root) for p in _walk(fs, match)]
+            found = []
+            for match in _glob(fs, root):
+                walked = _walk(fs, match)
+                found += walked
+                if walked == [match] and ".json" in path.rsplit("/", 1)[-1].lower():  # DIR/*.json*, not DIR/*
+                    named.add(match)
         elif fs.isdir(root):
             base = path if path.endswith("/") else path + "/"
             found = _walk(fs, root)
         elif fs.isfile(root):
-            if not _is_corpus_file(root):
+            if not _is_corpus_file(root, named=True):
                 _refuse_other_compression(path)
-                raise UserError(f"{path} is not a {_SUFFIX_LIST} file; rename it or convert it")
-            return fs, [_File(root, path, posixpath.basename(root))]
+                raise UserError(f"{path} is not a {_SUFFIX_LIST} file (or JSON lines named .json); rename it or "
+                                "convert it")
+            return fs, [_File(root, path, posixpath.basename(root))], []
         elif fs.exists(root):  # a pipe (/dev/stdin, <(...)) or a device: read once, with no name to tell its format
             raise UserError(f"{path} is not a regular file (a pipe or a device); save it to a {_SUFFIX_LIST} file and "
                             "give that")
@@ -426,16 +444,20 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
         raise UserError(f"cannot list {path} ({short_reason(e)}); check the path and its permissions") from None
     base_root = fsspec.core.url_to_fs(base or ".")[1].rstrip("/") + "/"
     spelled = path[len(base):].split("/") if _GLOB.search(path) else []  # the glob's own parts after its base
-    files, left_out = [], 0
+    if isinstance(fs, LocalFileSystem):
+        found = _once_each(found)
+    files, left_out, json_left_out = [], 0, []
     for p in sorted(set(found)):
         rel = p[len(base_root):] if p.startswith(base_root) else posixpath.basename(p)
         # Hidden and underscore paths hold temporary or side files (a writer's unfinished parts, Spark's
         # _SUCCESS), as pyarrow's datasets take them; unless a part of the glob spells one so itself (_*.jsonl).
         side = any(part.startswith((".", "_")) and not any(glob[:1] == part[0] and fnmatch.fnmatchcase(part, glob)
                                                            for glob in spelled) for part in rel.split("/"))
-        if not _is_corpus_file(p):
+        if not _is_corpus_file(p, named=p in named):
             if not side:
                 _refuse_other_compression(base + rel)
+                if p.lower().endswith(_JSON_SUFFIXES):
+                    json_left_out.append(base + rel)
         elif side:
             left_out += 1
         else:
@@ -443,8 +465,10 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File]]:
     if not files:
         hidden = (f" but {plural(left_out, 'file')} under a name that starts with . or _, which are left out as "
                   "temporary or side files; rename them, or name them in a glob (_*.jsonl)") if left_out else ""
-        raise UserError(f"{path} holds no {_SUFFIX_LIST} files{hidden}; check the path")
-    return fs, files
+        json_files = (f" but {plural(len(json_left_out), '.json file')}, read only where a path or glob names them "
+                      "(DIR/*.json)") if json_left_out else ""
+        raise UserError(f"{path} holds no {_SUFFIX_LIST} files{hidden}{json_files}; check the path")
+    return fs, files, json_left_out
 
 
 def _refuse_other_compression(shown: str) -> None:
@@ -517,8 +541,9 @@ def id_text(value: str | int | float | Decimal) -> str:
     return str(value)
 
 
-def _is_corpus_file(path: str) -> bool:
-    return path.lower().endswith(_SUFFIXES)
+def _is_corpus_file(path: str, named: bool = False) -> bool:
+    """Whether the file is read: by its suffix, and a .json one only where a path or glob names it (named)."""
+    return path.lower().endswith(_SUFFIXES + _JSON_SUFFIXES if named else _SUFFIXES)
 
 
 def glob_reads(pattern: str, path: str) -> bool:
@@ -590,7 +615,55 @@ def _unfit(f: _File, lines: list[int], name: str, known: pa.DataType, why: str, 
 
 
 def _walk(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
-    return fs.find(path) if fs.isdir(path) else [path]
+    """The files under a folder, or the file itself."""
+    if not fs.isdir(path):
+        return [path]
+    if not isinstance(fs, LocalFileSystem):
+        return fs.find(path)
+    return [posixpath.join(folder, name) for folder, _, names in _local_tree(path) for name in names]
+
+
+def _glob(fs: fsspec.AbstractFileSystem, pattern: str) -> list[str]:
+    """The files and folders a glob matches; on a local disk through linked folders too (see _local_tree)."""
+    if not isinstance(fs, LocalFileSystem):
+        return fs.glob(pattern)
+    base = glob_base(pattern)
+    rest = pattern[len(base):].rstrip("/")
+    matches = re.compile(fsspec.utils.glob_translate(rest)).fullmatch
+    depth = None if "**" in rest else rest.count("/") + 1
+    return [posixpath.join(folder, name) for folder, subfolders, names in _local_tree(base.rstrip("/") or "/", depth)
+            for name in subfolders + names
+            if matches(posixpath.relpath(posixpath.join(folder, name), base or "."))]
+
+
+def _local_tree(top: str, depth: int | None = None) -> Iterator[tuple[str, list[str], list[str]]]:
+    """os.walk's folders under top, down to depth levels of names (all without one), into linked folders as find
+    -L and pyarrow's datasets go (fsspec lists a linked folder as one entry, whose files would be left out without
+    a word, then pruned), each folder once whatever links lead to it, so that a loop ends."""
+    seen = set()
+    for folder, subfolders, names in os.walk(top, onerror=_raise, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders.clear()
+            continue
+        seen.add(real)
+        subfolders.sort()  # which of two links to one folder is walked must not change between runs
+        yield folder, list(subfolders), names
+        if depth is not None and (folder != top and posixpath.relpath(folder, top).count("/") + 2 >= depth
+                                  or folder == top and depth <= 1):
+            subfolders.clear()
+
+
+def _once_each(paths: list[str]) -> list[str]:
+    """Local paths less those that reach a file already listed through other links, the shortest path kept."""
+    kept: dict[str, str] = {}
+    for path in sorted(set(paths), key=lambda p: (p.count("/"), p.split("/"))):
+        kept.setdefault(os.path.realpath(path), path)
+    return list(kept.values())
+
+
+def _raise(error: OSError) -> None:
+    raise error  # os.walk would skip an unreadable folder, and its files would be pruned
 
 
 def _numbered_lines(f: _File, handle: IO[bytes]) -> Iterator[tuple[int, bytes]]:

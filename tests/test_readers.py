@@ -55,10 +55,39 @@ def test_directory_is_walked_recursively_in_sorted_order(tmp_path):
 
     reader = CorpusReader(f"{tmp_path}/c")
     assert reader.files == [f"{tmp_path}/c/a.jsonl", f"{tmp_path}/c/b.parquet", f"{tmp_path}/c/sub/z.jsonl.gz"]
+    assert reader.json_left_out == [f"{tmp_path}/c/d.json"]
     chunks, ids, texts = read_all(reader)
     assert texts == ["j1", "p1", "p2", "g1"]
     assert ids == ["a.jsonl:1", "b.parquet:1", "b.parquet:2", "sub/z.jsonl.gz:1"]
     assert [c.source for c in chunks] == reader.files
+
+
+def test_folders_reached_through_links_are_read_once_each_by_folder_and_by_glob(tmp_path):
+    write_jsonl(tmp_path / "c" / "2025" / "a.jsonl", [{"id": "a", "text": "here"}])
+    write_jsonl(tmp_path / "archive" / "2024" / "b.jsonl", [{"id": "b", "text": "linked"}])
+    (tmp_path / "c" / "2024").symlink_to(tmp_path / "archive" / "2024")  # a year moved to other storage
+    (tmp_path / "c" / "2024-again").symlink_to(tmp_path / "archive" / "2024")  # the same folder twice
+    (tmp_path / "c" / "2025" / "up").symlink_to(tmp_path / "c")  # a loop
+    expected = [f"{tmp_path}/c/2024/b.jsonl", f"{tmp_path}/c/2025/a.jsonl"]
+    for path in (f"{tmp_path}/c", f"{tmp_path}/c/*/*.jsonl", f"{tmp_path}/c/**/*.jsonl", f"{tmp_path}/c/*"):
+        reader = CorpusReader(path)
+        assert reader.files == expected, path
+        assert read_all(reader)[1] == ["b", "a"]
+
+
+def test_json_lines_named_json_are_read_where_a_path_or_glob_names_them(tmp_path):
+    write_jsonl(tmp_path / "spark" / "part-00000-1b2c.json", [{"id": "a", "text": "one"}])
+    write_jsonl(tmp_path / "spark" / "part-00001-1b2c.json.gz", [{"id": "b", "text": "two"}], gz=True)
+    (tmp_path / "spark" / "_SUCCESS").write_text("")
+    assert read_all(CorpusReader(f"{tmp_path}/spark/*.json*"))[1:] == (["a", "b"], ["one", "two"])
+    assert read_all(CorpusReader(f"{tmp_path}/spark/part-00000-1b2c.json"))[1] == ["a"]
+    message = error(path=f"{tmp_path}/spark")  # a folder's walk leaves .json side files out, and says so
+    assert message.endswith("but 2 .json files, read only where a path or glob names them (DIR/*.json); check the "
+                            "path")
+    (tmp_path / "array.json").write_text('[\n  {"id": "a", "text": "one"}\n]\n')
+    assert error(path=f"{tmp_path}/array.json") == (f"{tmp_path}/array.json line 1: starts a JSON array, not one "
+                                                    "object per line; write it as JSON lines (jq -c '.[]' FILE > "
+                                                    "FILE.jsonl)")
 
 
 def test_a_glob_that_spells_an_underscore_or_dot_takes_those_files_and_a_folder_of_only_them_says_why(tmp_path):
@@ -444,6 +473,14 @@ def test_parquet_text_column_not_a_string(tmp_path):
     write_parquet(tmp_path / "a.parquet", {"text": [1, 2]})
     message = error(path=str(tmp_path))
     assert f"{tmp_path}/a.parquet" in message and "'text' is int64, not a string" in message
+
+
+def test_a_parquet_shard_whose_columns_are_all_null_reads_as_null_texts(tmp_path):
+    # pandas writes an empty or all-None object column with Arrow's null type, not as strings
+    write_parquet(tmp_path / "a.parquet", {"id": ["x"], "text": ["one"]})
+    write_parquet(tmp_path / "b.parquet", {"id": pa.array([], pa.null()), "text": pa.array([], pa.null())})
+    write_parquet(tmp_path / "c.parquet", {"id": ["y", "z"], "text": pa.array([None, None], pa.null())})
+    assert read_all(CorpusReader(str(tmp_path)))[1:] == (["x", "y", "z"], ["one", None, None])
 
 
 def test_parquet_dictionary_encoded_strings_are_read_decoded(tmp_path):

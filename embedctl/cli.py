@@ -23,6 +23,7 @@ import typer
 
 from embedctl.progress import progress_bars
 from engine import EngineConfig, ModelSpec, UserError
+from engine.config import DEVICE_NAME
 from engine.checkpoint import resolve_model
 from pipelines.index import IndexModel, IndexOptions, IndexReport, lock_output, open_corpus, run_index
 from pipelines.lock import OutputLocked
@@ -207,7 +208,7 @@ def _devices(device: str | None) -> list[str | None]:
     names = [name.strip() for name in device.split(",")]
     if not all(names):
         raise UserError(f"--device {device!r} has an empty entry; list GPUs as cuda:0,cuda:1")
-    if not all(name.startswith("cuda") for name in names):
+    if not all(name.startswith("cuda") and DEVICE_NAME.fullmatch(name) for name in names):
         raise UserError(f"--device {device}: a list names GPUs only, as cuda:0,cuda:1; give cpu alone")
     if len({"cuda:0" if name == "cuda" else name for name in names}) < len(names):
         raise UserError(f"--device {device} names a GPU twice; list each once")

@@ -7,6 +7,7 @@ that end before any model loads, such as an up-to-date re-index, start fast.
 from __future__ import annotations
 
 import numbers
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?")
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flashinfer", "triton")
 GPU_ATTENTION = "attention backend {!r} needs a CUDA GPU; use --attention sdpa on the CPU"
 GPU_FP32 = ("--dtype fp32 runs on the CPU only: the GPU attention kernels take bf16 or fp16; "
@@ -72,6 +74,10 @@ class EngineConfig:
         for name in ("device", "dtype", "attention"):
             if (value := getattr(self, name)) is not None and not isinstance(value, str):
                 raise UserError(f"{name} must be a string, not {value!r}")
+        if self.device is not None and not DEVICE_NAME.fullmatch(self.device):  # here, not in torch_device: a cron
+            # job's typo must fail on the runs that load no model too
+            raise UserError(f"--device {self.device or repr(self.device)} is not a device embedctl runs on; use cpu, "
+                            "cuda or cuda:N")
         if self.dtype is not None and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:
             raise UserError(f"unknown dtype {self.dtype!r}; use one of bf16, fp16, fp32")
         if self.attention not in ATTENTION_BACKENDS:
@@ -96,13 +102,7 @@ class EngineConfig:
         import torch
 
         if self.device is not None:
-            try:
-                device = torch.device(self.device)
-            except RuntimeError:  # not a device name torch knows at all
-                device = None
-            if device is None or device.type not in ("cpu", "cuda"):
-                raise UserError(f"--device {self.device or repr(self.device)} is not a device embedctl runs on; use cpu, "
-                                "cuda or cuda:N")
+            device = torch.device(self.device)
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise UserError(f"--device {self.device} asked for a GPU but CUDA is not available here; use --device cpu")
             if device.type == "cuda" and (device.index or 0) >= (count := torch.cuda.device_count()):

@@ -297,6 +297,8 @@ def test_an_up_to_date_output_is_checked_without_loading_the_model(work: Path) -
     assert_one_error_line(too_small, "--max-batch-tokens 10 is smaller than the max length 128")
     gpu_only = run(work, "u.jsonl", "u.lance", "--device", "cpu", "--attention", "varlen")
     assert_one_error_line(gpu_only, "attention backend 'varlen' needs a CUDA GPU")
+    misspelt = run(work, "u.jsonl", "u.lance", "--device", "gpu")
+    assert_one_error_line(misspelt, "--device gpu is not a device embedctl runs on; use cpu, cuda or cuda:N")
 
     write_jsonl(work / "u.jsonl", documents(101, seed=4))  # one row more: now the model loads
     assert run(work, "u.jsonl", "u.lance", "--report", "u.json").returncode == 0

@@ -132,7 +132,7 @@ def index(
     fuse: CompileOpt = True,
     warmup: Annotated[bool, typer.Option(help="Capture before starting the CUDA graph of every batch shape whose sequences are at most 512 tokens; other shapes are still captured on their second hit.")] = False,
     tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize in N worker processes, 0 in this one (default: one per 4 cores when the model runs on a GPU, there are at least 8 cores and SOURCE has 20,000 rows or an unknown count, else 0).")] = None,
-    report: Annotated[Optional[Path], typer.Option(help="Write the run's summary as JSON to this file.")] = None,
+    report: Annotated[Optional[Path], typer.Option(help="Write the run's summary as JSON to this file ('-': stdout).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print settings and graph counters.")] = False,
 ) -> None:
@@ -246,7 +246,7 @@ def score(
     eager: EagerOpt = False,
     fuse: CompileOpt = True,
     tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize the reranker's pairs in N worker processes when there are 16 or more, 0 in this one (default: one per 2 cores when the reranker runs on a GPU and there are at least 8 cores, else 0).")] = None,
-    report: Annotated[Optional[Path], typer.Option(help="Write the summary and metrics as JSON to this file.")] = None,
+    report: Annotated[Optional[Path], typer.Option(help="Write the summary and metrics as JSON to this file ('-': stdout, with --out FILE).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
 ) -> None:
     """Rank documents for every query in QUERIES by the model's similarity (bi-encoder; cosine unless its
@@ -263,6 +263,7 @@ def score(
         _check_report_path(report)
         if out is None and sys.stdout is None:  # started with stdout closed (>&-)
             raise UserError("standard output is closed, and the run goes there without --out; give --out FILE")
+
         options = ScoreOptions(queries=queries, docs=docs, index=index, table=table, reranker=reranker, rerank_depth=rerank_depth,
                                qrels=qrels, out=out, top_k=top_k, format=run_format.value, overwrite=overwrite,
                                text_col=text_col, id_col=id_col, query_prompt=query_prompt, doc_prompt=doc_prompt,
@@ -288,6 +289,9 @@ def score(
         if report is not None:
             _write_report(report, json.dumps({**ranking.to_dict(), "metrics": metrics.to_dict() if metrics else None}, indent=2))
 
+    if out is None and report is not None and _to_stdout(report):
+        _fail("--report - would mix the report into the run on standard output; give --out FILE for the run, or a "
+              "file for --report", None)
     _check_paths(report, [path for path in (queries, docs, index, qrels) if path], out)
     _guarded(run, report)
 
@@ -438,7 +442,7 @@ def _check_paths(report: Path | None, inputs: list[str], out: str | None) -> Non
                                     else _glob_reads(source, there, folder)):
             _fail(f"--out {out} and the input {source} overlap, so the output would overwrite or be read as "
                   "input; write the output outside the input", None)
-    if report is not None:
+    if report is not None and not _to_stdout(report):
         written = os.path.realpath(report)
         for path in (*inputs, *([out] if out is not None else [])):
             if (local := _local(path)) is None:
@@ -497,7 +501,7 @@ def _within(path: str, folder: str) -> bool:
 def _check_report_path(report: Path | None) -> None:
     """Refuse a --report path that cannot be written before the run, not after it. Nothing is written to
     find out: a run that fails later writes its error there, and a run refused here leaves no empty file."""
-    if report is None:
+    if report is None or _to_stdout(report):
         return
     if not report.parent.is_dir():
         raise UserError(f"--report {report}: the directory {report.parent} does not exist; "
@@ -509,8 +513,15 @@ def _check_report_path(report: Path | None) -> None:
         raise UserError(f"cannot write the report {report} ({where}); pick a writable --report path")
 
 
+def _to_stdout(report: Path) -> bool:
+    return str(report) == "-"  # the usual name for standard output, as --out - is score's
+
+
 def _write_report(report: Path, text: str) -> None:
     try:
+        if _to_stdout(report):
+            typer.echo(text)
+            return
         report.write_text(text + "\n")
     except OSError as error:
         raise UserError(f"cannot write the report {report} ({error.strerror}); pick a writable --report path") from None

@@ -400,6 +400,18 @@ def test_an_output_reached_through_a_missing_folder_and_back_makes_no_folder(tmp
     assert not (tmp_path / "new").exists()
 
 
+def test_a_report_named_dash_goes_to_stdout_and_score_keeps_stdout_for_its_run(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "docs.jsonl", good_rows("a"))
+    with ThreadPoolExecutor(2) as pool:
+        indexed, mixed = pool.map(lambda args: run_cli(*args, cwd=tmp_path),
+                                  [("index", "docs.jsonl", "--out", "x.lance", "-q", "--report", "-"),
+                                   ("score", "docs.jsonl", "docs.jsonl", "-q", "--report", "-")])
+    assert indexed.returncode == 0, indexed.stderr
+    assert json.loads(indexed.stdout)["added"] == len(good_rows("a"))
+    assert_one_error_line(mixed, "--report - would mix the report into the run on standard output; give --out FILE")
+    assert not (tmp_path / "-").exists()
+
+
 def test_a_glob_in_the_output_folder_takes_an_output_it_would_never_read(tmp_path: Path) -> None:
     """`index '*.jsonl' --out vectors.lance`: a Lance output holds no corpus files, and a glob reads only what it
     matches, so outputs beside the files a glob searches are fine unless the glob would read them next time."""

@@ -40,8 +40,9 @@ The engine is loaded with its CUDA graph warm-up unless --no-warmup: every batch
 to 512 tokens) is captured before the port answers, because a shape captured under traffic stalls every
 request in flight. On the H200 that took MiniLM's p99 at 16 clients from 21.7 to 9.8 ms and from 25.6
 to 11.5 ms for 2.5 and 3.9 s more start-up (bench/results/gpu-2026-11-30-run62-serve-warmup-ab, run63).
-The port listens from the start (a taken port fails before the model loads) but answers only once the
-capture is done; a probe meanwhile waits rather than reading 503.
+The port is taken from the start (a taken port fails before the model loads) but listens only once the
+capture is done, as TEI's and vLLM's open theirs once ready: a probe meanwhile is refused at once rather than
+held on a port that does not answer.
 
 Not here: batching (engine.scheduler), the model (engine), tokenization rules (pipelines.tokenize).
 """
@@ -609,7 +610,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
 def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> None:
     """Load the model, bind, and serve until Ctrl-C or SIGTERM, which drain requests in flight first."""
     try:  # before loading the model, so a taken port fails at once
-        sock = _listen(options.host, options.port)
+        sock = _bind(options.host, options.port)
     except (OSError, OverflowError) as error:  # OverflowError: a port past 65535
         reason = getattr(error, "strerror", None) or str(error)
         raise UserError(f"cannot listen on {options.host}:{options.port} ({reason}); "
@@ -657,13 +658,22 @@ def with_cors(app: _Front, origins: Sequence[str]) -> ASGIApp:
                           expose_headers=["Retry-After"])
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket on host (a name, an IPv4 or an IPv6 address) and port; "::" takes IPv4 too where it can.
-    A name with IPv4 and IPv6 addresses (localhost) listens on IPv4, as before IPv6 was taken."""
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host (a name, an IPv4 or an IPv6 address) and port, not yet listening: uvicorn's server
+    listens on it once it starts. "::" takes IPv4 too where it can; a name with IPv4 and IPv6 addresses
+    (localhost) binds IPv4. The options are socket.create_server's, which would listen at once."""
     families = [info[0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)]
     family = socket.AF_INET if socket.AF_INET in families else families[0]
-    return socket.create_server((host, port), family=family,
-                                dualstack_ipv6=family == socket.AF_INET6 and socket.has_dualstack_ipv6())
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT by the last run
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if socket.has_dualstack_ipv6() else 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _refusal(error: QueueFull | SchedulerClosed) -> ApiError:

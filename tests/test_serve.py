@@ -944,6 +944,52 @@ def test_a_port_in_use_is_one_error_line(minilm_dir: Path) -> None:
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: cannot listen on 127.0.0.1:{port}")
 
 
+def test_the_port_refuses_connections_until_the_model_is_loaded(minilm_dir: Path, tmp_path: Path) -> None:
+    """As TEI's and vLLM's: a probe while the model loads is refused at once, not held on a port that does not
+    answer (a health check would wait out its timeout); the port is held all along, so a second server fails."""
+    port, log = free_port(), tmp_path / "server.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", "serve", "--device", "cpu", "--model",
+                                    str(minilm_dir), "--port", str(port)], env=SERVER_ENV, stdout=sink,
+                                   stderr=subprocess.STDOUT)
+    try:
+        accepted_while_loading, refused_while_taken = 0, 0
+        deadline = time.monotonic() + 180
+        while "at http://" not in log.read_text() and time.monotonic() < deadline:  # logged just before it serves
+            assert process.poll() is None, log.read_text()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                accepted_while_loading += "at http://" not in log.read_text()
+            except ConnectionRefusedError:
+                refused_while_taken += _bound(port)
+            time.sleep(0.05)
+        assert accepted_while_loading == 0, log.read_text()
+        assert refused_while_taken > 0  # the model loaded while the port was held but refused
+        with httpx.Client(timeout=30) as client:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    assert client.get(f"http://127.0.0.1:{port}/health").status_code == 200
+                    break
+                except httpx.ConnectError:
+                    time.sleep(0.05)
+            else:
+                raise AssertionError(log.read_text())
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+def _bound(port: int) -> bool:
+    """Whether some socket holds the port (a bind of our own fails)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 @pytest.mark.parametrize(("flag", "value", "reason"), [("--port", "99999", "port must be 0-65535"),
                                                        ("--host", "no-such-host.invalid", "cannot listen on no-such-host")])
 def test_an_address_that_cannot_exist_is_one_error_line(minilm_dir: Path, flag: str, value: str, reason: str) -> None:

@@ -49,6 +49,9 @@ _DELETE_IDS = 1000  # ids per Lance delete predicate
 _LANCE_IO = "LanceError(IO)"  # how Lance's RuntimeError tells an I/O failure (a read-only folder, a full disk)
 _LANCE_PREFIX = re.compile(r"^lance error: LanceError\(\w+\): ")
 _TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # the table names LanceDB accepts
+# What a Lance table's folder holds; a create that was killed leaves some of them and no readable version
+_LANCE_ENTRIES = frozenset({"_versions", "data", "_transactions", "_indices", "_deletions", "_refs",
+                            "_latest.manifest"})
 
 
 def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
@@ -341,7 +344,7 @@ class _LanceStore:
     def __init__(self, shown: str, db_uri: str, name: str, schema: pa.Schema, rebuild: bool, commit_rows: int) -> None:
         import lancedb  # here, not at the top: Parquet output works where lancedb is not installed
 
-        self._shown, self._name = shown, name
+        self._shown, self._name, self._db_uri = shown, name, db_uri
         # Lance keeps the entries' name of the map that created a table and refuses another on update,
         # and Parquet's reader names a map's entries after its column: so every group is cast to maps
         # with entries named "entries", as Arrow names them.
@@ -381,10 +384,26 @@ class _LanceStore:
         try:
             return self._db.open_table(name)
         except ValueError:  # Lance's "table not found"; a directory left by a killed create counts as absent
+            self._refuse_other_files(name)
             return None
         except RuntimeError as error:  # something else is there: a plain file, a folder Lance cannot read
             raise UserError(f"cannot open {self._shown} as a LanceDB table ({_lance_reason(error)}); remove what is "
                             "there or pick another --out") from None
+
+    def _refuse_other_files(self, name: str) -> None:
+        """UserError for a local folder NAME.lance that holds files Lance does not write: someone else's folder
+        under the output's name, which a table created in it would be mixed into."""
+        if "://" in self._db_uri and not self._db_uri.startswith("file://"):
+            return
+        try:
+            others = sorted(set(os.listdir(os.path.join(self._db_uri.removeprefix("file://"), f"{name}.lance")))
+                            - _LANCE_ENTRIES)
+        except OSError:  # none there (a plain file is refused by create_table)
+            return
+        if others:
+            raise UserError(f"{self._shown} is a folder of other files than a LanceDB table's ({others[0]}"
+                            f"{', ...' if len(others) > 1 else ''}); embedctl will not write into it: pick another "
+                            "--out")
 
     def write(self, batch: pa.RecordBatch) -> None:
         for group in self._groups.add(batch):
@@ -471,6 +490,21 @@ class _ParquetDirStore:
 
     def _parts(self, path: str) -> list[str]:
         return table_parts(self._fs, path) if self._fs.isdir(path) else []
+
+    def _refuse_other_files(self, name: str) -> None:
+        """UserError for a local folder NAME.lance that holds files Lance does not write: someone else's folder
+        under the output's name, which a table created in it would be mixed into."""
+        if "://" in self._db_uri and not self._db_uri.startswith("file://"):
+            return
+        try:
+            others = sorted(set(os.listdir(os.path.join(self._db_uri.removeprefix("file://"), f"{name}.lance")))
+                            - _LANCE_ENTRIES)
+        except OSError:  # none there (a plain file is refused by create_table)
+            return
+        if others:
+            raise UserError(f"{self._shown} is a folder of other files than a LanceDB table's ({others[0]}"
+                            f"{', ...' if len(others) > 1 else ''}); embedctl will not write into it: pick another "
+                            "--out")
 
     def write(self, batch: pa.RecordBatch) -> None:
         for group in self._groups.add(batch):

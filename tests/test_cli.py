@@ -165,6 +165,13 @@ def _someone_elses_parquet_folder_with_rebuild(tmp: Path) -> tuple[list, list[st
     return ["docs.jsonl", "--rebuild"], ["out/ holds data that embedctl did not write", "pick another --out"]
 
 
+def _someone_elses_folder_named_lance(tmp: Path) -> tuple[list, list[str]]:
+    (tmp / "x.lance").mkdir()
+    (tmp / "x.lance" / "notes.txt").write_text("their notes")
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))
+    return ["docs.jsonl"], ["x.lance is a folder of other files than a LanceDB table's (notes.txt)", "pick another --out"]
+
+
 def _other_dim(tmp: Path) -> tuple[list, list[str]]:
     _lance_table(tmp)
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
@@ -184,7 +191,7 @@ BAD_INPUTS = [(_missing_path, "x.lance"), (_corrupt_parquet, "x.parquet"), (_mal
               (_empty_text_refused, "out/"), (_long_text_refused, "x.lance"), (_old_overwrite_flag, "x.parquet"),
               (_existing_lance_without_keys, "x.lance"), (_existing_parquet, "x.parquet"), (_other_dim, "x.lance"),
               (_failed_rebuild, "x.lance"), (_someone_elses_parquet_with_rebuild, "x.parquet"),
-              (_someone_elses_parquet_folder_with_rebuild, "out/")]
+              (_someone_elses_parquet_folder_with_rebuild, "out/"), (_someone_elses_folder_named_lance, "x.lance")]
 
 
 @dataclass

@@ -169,9 +169,10 @@ def index(
             engines = [Engine.load(spec, replace(config, device=name)) for name in devices]
             if verbose:
                 for engine in engines:
-                    typer.echo(f"model {spec.files.name} on {engine.device} ({engine.dtype}), attention "
-                               f"{engine.attention_label}, dim {spec.dim}, max length {spec.max_length}, "
-                               f"pooling {spec.pooling}", err=True)
+                    # print, not typer.echo: under a live bar rich puts what sys.stderr is given on a line above it
+                    print(f"model {spec.files.name} on {engine.device} ({engine.dtype}), attention "
+                          f"{engine.attention_label}, dim {spec.dim}, max length {spec.max_length}, "
+                          f"pooling {spec.pooling}", file=sys.stderr)
             return engines
 
         index_model = IndexModel(spec, load_engines, on_gpu=lambda: config.torch_device().type == "cuda")

@@ -34,8 +34,8 @@ from typer.main import get_command
 import embedctl
 from embedctl.cli import app
 from engine.checkpoint import files_digest, resolve_model
-from tests.files import (ENV, assert_one_error_line, good_rows, hears_ctrl_c, read_only, run_cli, snapshot,
-                         write_jsonl)
+from tests.files import (ENV, assert_one_error_line, good_rows, hears_ctrl_c, read_only, run_cli, run_cli_in_terminal,
+                         snapshot, write_jsonl)
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "corpus"
 MAX_LENGTH = 256  # all-MiniLM-L6-v2's sentence_bert_config.json
@@ -405,6 +405,15 @@ def test_an_output_reached_through_a_missing_folder_and_back_makes_no_folder(tmp
     assert done.returncode == 0, done.stderr
     assert pq.read_table(tmp_path / "x.parquet").num_rows == len(good_rows("a"))
     assert not (tmp_path / "new").exists()
+
+
+def test_verbose_settings_on_a_terminal_get_a_line_of_their_own_above_the_bar(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "docs.jsonl", good_rows("a"))
+    code, shown = run_cli_in_terminal("index", "docs.jsonl", "--out", "x.lance", "-v", cwd=tmp_path)
+    assert code == 0, shown
+    lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown).replace("\r", "\n").splitlines()
+    settings = [line for line in lines if " on cpu (torch.float32), attention" in line]  # rich wraps the rest
+    assert settings and all(line.startswith("model ") for line in settings), shown
 
 
 def test_a_report_named_dash_goes_to_stdout_and_score_keeps_stdout_for_its_run(tmp_path: Path) -> None:

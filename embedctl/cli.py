@@ -297,7 +297,9 @@ def score(
     _guarded(run, report)
 
 
-@app.command()
+# Every serve option also from the environment, EMBEDCTL_ and its name (EMBEDCTL_PORT, EMBEDCTL_MAX_BATCH_TOKENS), as
+# TEI's launcher takes its options in a container spec; a flag given on the command line wins.
+@app.command(context_settings={"auto_envvar_prefix": "EMBEDCTL"})
 def serve(
     port: Annotated[int, typer.Option(help="TCP port to listen on.")] = 8000,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).")] = "127.0.0.1",
@@ -328,7 +330,7 @@ def serve(
     tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize requests of many texts in N worker processes, 0 in the server process (default: one per 4 cores when the model runs on a GPU and there are at least 8 cores, else 0).")] = None,
     doc_prompt: Annotated[Optional[str], typer.Option(help="Text put before every text of /v1/embeddings and /embed (default: the model's 'document' prompt, if any, as index puts it; '' for none, as TEI).")] = None,
     query_prompt: Annotated[Optional[str], typer.Option(help="Text put before /rerank's query (default: the model's 'query' prompt, if any, as score puts it; '' for none).")] = None,
-    cors_allow_origin: Annotated[Optional[list[str]], typer.Option(help="A web page origin (https://app.example.com, or '*') whose scripts may call the server from a browser; repeatable.")] = None,
+    cors_allow_origin: Annotated[Optional[list[str]], typer.Option(metavar="ORIGIN", help="A web page origin (https://app.example.com, or '*') whose scripts may call the server from a browser; repeatable.")] = None,
 ) -> None:
     """Serve embeddings and ranking over HTTP: OpenAI /v1/embeddings, TEI /embed and /rerank, /health, /metrics."""
     from embedctl.serve import ServeLimits, ServeOptions, serve as run_server  # fastapi loads only for this command

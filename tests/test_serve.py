@@ -980,6 +980,29 @@ def test_the_port_refuses_connections_until_the_model_is_loaded(minilm_dir: Path
         process.wait(60)
 
 
+def test_every_serve_option_can_come_from_the_environment(minilm_dir: Path, tmp_path: Path) -> None:
+    """As TEI's launcher takes its options in a container spec: EMBEDCTL_ and the option's name."""
+    port, log = free_port(), tmp_path / "server.log"
+    env = SERVER_ENV | {"EMBEDCTL_PORT": str(port), "EMBEDCTL_DEVICE": "cpu", "EMBEDCTL_MODEL": str(minilm_dir),
+                        "EMBEDCTL_MAX_CLIENT_BATCH": "3"}
+    with log.open("w") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", "serve"], env=env, stdout=sink,
+                                   stderr=subprocess.STDOUT)
+    try:
+        deadline, info = time.monotonic() + 180, None
+        while info is None and time.monotonic() < deadline:
+            assert process.poll() is None, log.read_text()
+            try:
+                info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=5).json()
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert info is not None, log.read_text()
+        assert (info["max_client_batch_size"], info["model_id"]) == (3, str(minilm_dir))
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
 def _bound(port: int) -> bool:
     """Whether some socket holds the port (a bind of our own fails)."""
     with socket.socket() as probe:

@@ -628,6 +628,8 @@ def _glob(fs: fsspec.AbstractFileSystem, pattern: str) -> list[str]:
     if not isinstance(fs, LocalFileSystem):
         return fs.glob(pattern)
     base = glob_base(pattern)
+    if not os.path.isdir(base or "."):
+        return []  # as fs.glob has it: the path then holds no corpus files
     rest = pattern[len(base):].rstrip("/")
     matches = re.compile(fsspec.utils.glob_translate(rest)).fullmatch
     depth = None if "**" in rest else rest.count("/") + 1

@@ -408,6 +408,8 @@ def test_directory_without_corpus_files(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     assert "holds no .parquet, .jsonl, .ndjson, .jsonl.gz or .ndjson.gz files" in error(path=str(tmp_path))
     assert "holds no" in error(path=f"{tmp_path}/*.parquet")
+    assert error(path=f"{tmp_path}/nope/*.parquet").endswith("holds no .parquet, .jsonl, .ndjson, .jsonl.gz or "
+                                                             ".ndjson.gz files; check the path")
 
 
 @pytest.mark.parametrize("name, fix", [("c.jsonl.zst", "decompress it, or compress it with gzip (.jsonl.gz)"),

@@ -491,21 +491,6 @@ class _ParquetDirStore:
     def _parts(self, path: str) -> list[str]:
         return table_parts(self._fs, path) if self._fs.isdir(path) else []
 
-    def _refuse_other_files(self, name: str) -> None:
-        """UserError for a local folder NAME.lance that holds files Lance does not write: someone else's folder
-        under the output's name, which a table created in it would be mixed into."""
-        if "://" in self._db_uri and not self._db_uri.startswith("file://"):
-            return
-        try:
-            others = sorted(set(os.listdir(os.path.join(self._db_uri.removeprefix("file://"), f"{name}.lance")))
-                            - _LANCE_ENTRIES)
-        except OSError:  # none there (a plain file is refused by create_table)
-            return
-        if others:
-            raise UserError(f"{self._shown} is a folder of other files than a LanceDB table's ({others[0]}"
-                            f"{', ...' if len(others) > 1 else ''}); embedctl will not write into it: pick another "
-                            "--out")
-
     def write(self, batch: pa.RecordBatch) -> None:
         for group in self._groups.add(batch):
             self._commit(group)

@@ -21,7 +21,7 @@ import posixpath
 import re
 import sys
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import IO
@@ -620,52 +620,68 @@ def _walk(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
         return [path]
     if not isinstance(fs, LocalFileSystem):
         return fs.find(path)
-    return [posixpath.join(folder, name) for folder, _, names in _local_tree(path) for name in names]
+    return [entry for entry, is_folder in _local_tree(path, lambda parts: True) if not is_folder]
 
 
 def _glob(fs: fsspec.AbstractFileSystem, pattern: str) -> list[str]:
-    """The files and folders a glob matches; on a local disk through linked folders too (see _local_tree)."""
+    """The files and folders a glob matches; on a local disk through linked folders too (see _local_tree), going
+    only into folders that can hold a match, so that an unreadable folder the glob never names stops nothing."""
     if not isinstance(fs, LocalFileSystem):
         return fs.glob(pattern)
     base = glob_base(pattern)
-    if not os.path.isdir(base or "."):
+    if not os.path.isdir(base):
         return []  # as fs.glob has it: the path then holds no corpus files
     rest = pattern[len(base):].rstrip("/")
     matches = re.compile(fsspec.utils.glob_translate(rest)).fullmatch
-    depth = None if "**" in rest else rest.count("/") + 1
-    return [posixpath.join(folder, name) for folder, subfolders, names in _local_tree(base.rstrip("/") or "/", depth)
-            for name in subfolders + names
-            if matches(posixpath.relpath(posixpath.join(folder, name), base or "."))]
+    segments = rest.split("/")
+    return [entry for entry, _ in _local_tree(base.rstrip("/") or "/", lambda parts: _may_hold(parts, segments))
+            if matches(posixpath.relpath(entry, base))]
 
 
-def _local_tree(top: str, depth: int | None = None) -> Iterator[tuple[str, list[str], list[str]]]:
-    """os.walk's folders under top, down to depth levels of names (all without one), into linked folders as find
-    -L and pyarrow's datasets go (fsspec lists a linked folder as one entry, whose files would be left out without
-    a word, then pruned), each folder once whatever links lead to it, so that a loop ends."""
-    seen = set()
-    for folder, subfolders, names in os.walk(top, onerror=_raise, followlinks=True):
-        real = os.path.realpath(folder)
-        if real in seen:
-            subfolders.clear()
-            continue
-        seen.add(real)
-        subfolders.sort()  # which of two links to one folder is walked must not change between runs
-        yield folder, list(subfolders), names
-        if depth is not None and (folder != top and posixpath.relpath(folder, top).count("/") + 2 >= depth
-                                  or folder == top and depth <= 1):
-            subfolders.clear()
+def _may_hold(parts: list[str], segments: list[str]) -> bool:
+    """Whether the folder at these parts below a glob's base can hold a match of the glob's segments."""
+    for part, segment in zip(parts, segments):
+        if segment == "**":
+            return True
+        if not fnmatch.fnmatchcase(part, segment):
+            return False
+    return len(parts) < len(segments) or "**" in segments[:len(parts) + 1]
+
+
+def _local_tree(top: str, enter: Callable[[list[str]], bool]) -> Iterator[tuple[str, bool]]:
+    """Every entry under top as (path, whether a folder), in order, going into the folders that enter(their parts
+    below top) takes, through links too, as find -L and pyarrow's datasets do (fsspec's find lists a linked folder
+    as one entry, whose files were left out without a word, then pruned), but not into a link back to a folder
+    above it (a loop). A folder reached by two links is walked under both; _once_each keeps one. UserError for a
+    link to nothing where enter would go (storage unmounted, a folder moved): leaving out what it held would
+    prune its rows."""
+
+    def visit(folder: str, parts: list[str], above: frozenset[str]) -> Iterator[tuple[str, bool]]:
+        with os.scandir(folder) as listing:  # an unreadable folder raises: its files must not look deleted
+            entries = sorted(listing, key=lambda entry: entry.name)
+        for entry in entries:
+            path, inside = posixpath.join(folder, entry.name), [*parts, entry.name]
+            if entry.is_dir():  # through a link too
+                yield path, True
+                real = os.path.realpath(path)
+                if real not in above and enter(inside):
+                    yield from visit(path, inside, above | {real})
+            elif entry.is_symlink() and enter(inside) and not os.path.exists(path):
+                raise UserError(f"{path} is a link to {os.readlink(path)}, which does not exist; mount or restore "
+                                "what it names, or remove the link")
+            else:
+                yield path, False
+
+    yield from visit(top, [], frozenset({os.path.realpath(top)}))
 
 
 def _once_each(paths: list[str]) -> list[str]:
-    """Local paths less those that reach a file already listed through other links, the shortest path kept."""
+    """Local paths less those that reach a file already listed through other links: the shortest path is kept,
+    whatever the SOURCE's spelling (a folder or a glob), so that the ids of files without an id column stay."""
     kept: dict[str, str] = {}
     for path in sorted(set(paths), key=lambda p: (p.count("/"), p.split("/"))):
         kept.setdefault(os.path.realpath(path), path)
     return list(kept.values())
-
-
-def _raise(error: OSError) -> None:
-    raise error  # os.walk would skip an unreadable folder, and its files would be pruned
 
 
 def _numbered_lines(f: _File, handle: IO[bytes]) -> Iterator[tuple[int, bytes]]:

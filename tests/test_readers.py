@@ -68,11 +68,25 @@ def test_folders_reached_through_links_are_read_once_each_by_folder_and_by_glob(
     (tmp_path / "c" / "2024").symlink_to(tmp_path / "archive" / "2024")  # a year moved to other storage
     (tmp_path / "c" / "2024-again").symlink_to(tmp_path / "archive" / "2024")  # the same folder twice
     (tmp_path / "c" / "2025" / "up").symlink_to(tmp_path / "c")  # a loop
-    expected = [f"{tmp_path}/c/2024/b.jsonl", f"{tmp_path}/c/2025/a.jsonl"]
+    write_jsonl(tmp_path / "c" / "deep" / "er" / "d.jsonl", [{"text": "numbered"}])
+    (tmp_path / "c" / "z").symlink_to(tmp_path / "c" / "deep" / "er")  # a shorter way to it, and later in order
+    expected = [f"{tmp_path}/c/2024/b.jsonl", f"{tmp_path}/c/2025/a.jsonl", f"{tmp_path}/c/z/d.jsonl"]
     for path in (f"{tmp_path}/c", f"{tmp_path}/c/*/*.jsonl", f"{tmp_path}/c/**/*.jsonl", f"{tmp_path}/c/*"):
         reader = CorpusReader(path)
         assert reader.files == expected, path
-        assert read_all(reader)[1] == ["b", "a"]
+        assert read_all(reader)[1] == ["b", "a", "z/d.jsonl:1"]  # the same id however SOURCE is spelt
+    assert CorpusReader(f"{tmp_path}/c/2024-a*/*.jsonl").files == [f"{tmp_path}/c/2024-again/b.jsonl"]
+
+
+def test_a_link_to_nothing_is_refused_where_it_could_hold_corpus_files(tmp_path):
+    write_jsonl(tmp_path / "c" / "2025" / "a.jsonl", [{"id": "a", "text": "here"}])
+    (tmp_path / "c" / "other").mkdir()
+    (tmp_path / "c" / "other" / "gone").symlink_to(tmp_path / "nowhere")  # in a folder the glob below never names
+    assert CorpusReader(f"{tmp_path}/c/2025/*.jsonl").files == [f"{tmp_path}/c/2025/a.jsonl"]
+    (tmp_path / "c" / "2024").symlink_to(tmp_path / "unmounted" / "2024")  # storage that is not there today
+    for path in (f"{tmp_path}/c", f"{tmp_path}/c/*/*.jsonl"):  # leaving its files out would prune their rows
+        assert error(path=path) == (f"{tmp_path}/c/2024 is a link to {tmp_path}/unmounted/2024, which does not "
+                                    "exist; mount or restore what it names, or remove the link")
 
 
 def test_json_lines_named_json_are_read_where_a_path_or_glob_names_them(tmp_path):

@@ -633,6 +633,12 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
                         "512 tokens, so that such requests never wait for a capture", engine.stats.captures,
                         engine.stats.capture_seconds)
     try:
+        try:  # here, not left to uvicorn (uvloop drops a failed listen without a word): two servers started at
+            # once both bind a port with SO_REUSEADDR, and the second to listen is the one to fail
+            sock.listen(server.config.backlog)
+        except OSError as error:
+            raise UserError(f"cannot listen on {options.host}:{options.port} ({error.strerror}): another server took "
+                            "it while the model loaded; pick another --port") from None
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has drained: a clean stop, exit 0
         pass
@@ -659,8 +665,8 @@ def with_cors(app: _Front, origins: Sequence[str]) -> ASGIApp:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """A socket bound to host (a name, an IPv4 or an IPv6 address) and port, not yet listening: uvicorn's server
-    listens on it once it starts. "::" takes IPv4 too where it can; a name with IPv4 and IPv6 addresses
+    """A socket bound to host (a name, an IPv4 or an IPv6 address) and port, not yet listening: serve() listens on
+    it once the model is loaded. "::" takes IPv4 too where it can; a name with IPv4 and IPv6 addresses
     (localhost) binds IPv4. The options are socket.create_server's, which would listen at once."""
     families = [info[0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)]
     family = socket.AF_INET if socket.AF_INET in families else families[0]

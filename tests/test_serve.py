@@ -980,6 +980,27 @@ def test_the_port_refuses_connections_until_the_model_is_loaded(minilm_dir: Path
         process.wait(60)
 
 
+def test_a_server_that_listens_first_on_a_port_both_bound_leaves_the_other_one_error_line(minilm_dir: Path) -> None:
+    """Two servers started at once both bind the port (SO_REUSEADDR lets sockets that do not listen yet share it):
+    the one that loses the race to listen must fail, not run on without a socket."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", "serve", "--device", "cpu", "--model",
+                                str(minilm_dir), "--port", str(port)], env=SERVER_ENV, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    with socket.socket() as first:
+        deadline = time.monotonic() + 120
+        while not _bound(port):  # the server has bound the port and is loading its model
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.01)
+        first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        first.bind(("127.0.0.1", port))
+        first.listen()
+        _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 2, stderr
+    assert stderr.strip().splitlines()[-1].startswith(f"error: cannot listen on 127.0.0.1:{port} (Address already in "
+                                                      "use): another server took it while the model loaded"), stderr
+
+
 def test_every_serve_option_can_come_from_the_environment(minilm_dir: Path, tmp_path: Path) -> None:
     """As TEI's launcher takes its options in a container spec: EMBEDCTL_ and the option's name."""
     port, log = free_port(), tmp_path / "server.log"

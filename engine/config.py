@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?")
+DEVICE_NAME = re.compile(r"cpu(:0)?|cuda(:(0|[1-9]\d{0,3}))?")  # as torch.device reads them: no "cuda:01"
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flashinfer", "triton")
 GPU_ATTENTION = "attention backend {!r} needs a CUDA GPU; use --attention sdpa on the CPU"
 GPU_FP32 = ("--dtype fp32 runs on the CPU only: the GPU attention kernels take bf16 or fp16; "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -316,6 +317,11 @@ def test_config_rejects_nonsense() -> None:
         EngineConfig(dtype="int4")
     with pytest.raises(UserError, match="attention"):
         EngineConfig(attention="magic")
+    for device in ("gpu", "cuda:01", "cuda:", "CUDA", "cuda:1 ", "cuda:99999999999999999999"):
+        with pytest.raises(UserError, match=f"--device {re.escape(device)} is not a device embedctl runs on"):
+            EngineConfig(device=device)
+    for device in ("cpu", "cpu:0", "cuda", "cuda:0", "cuda:12"):  # each one torch.device reads
+        assert str(torch.device(EngineConfig(device=device).device)) == device
 
 
 def test_weights_digest_is_remembered_by_path_size_and_mtime(random_bert, tmp_path, monkeypatch) -> None:

@@ -167,7 +167,7 @@ def index(
             from engine import Engine
 
             engines = [Engine.load(spec, replace(config, device=name)) for name in devices]
-            if verbose:
+            if verbose and sys.stderr is not None:  # closed (2>&-): print would fall back to stdout
                 for engine in engines:
                     # print, not typer.echo: under a live bar rich puts what sys.stderr is given on a line above it
                     print(f"model {spec.files.name} on {engine.device} ({engine.dtype}), attention "
@@ -290,7 +290,7 @@ def score(
         if report is not None:
             _write_report(report, json.dumps({**ranking.to_dict(), "metrics": metrics.to_dict() if metrics else None}, indent=2))
 
-    if out is None and report is not None and _to_stdout(report):
+    if report is not None and _to_stdout(report) and (out is None or _is_stdout(out)):
         _fail("--report - would mix the report into the run on standard output; give --out FILE for the run, or a "
               "file for --report", None)
     _check_paths(report, [path for path in (queries, docs, index, qrels) if path], out)
@@ -518,6 +518,15 @@ def _check_report_path(report: Path | None) -> None:
 
 def _to_stdout(report: Path) -> bool:
     return str(report) == "-"  # the usual name for standard output, as --out - is score's
+
+
+def _is_stdout(path: str) -> bool:
+    """Whether a path names the file that standard output writes to (/dev/stdout, /dev/fd/1, or the file it is
+    redirected to)."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(1))
+    except OSError:  # no such file yet, or stdout closed
+        return False
 
 
 def _write_report(report: Path, text: str) -> None:

@@ -426,6 +426,14 @@ def test_a_report_named_dash_goes_to_stdout_and_score_keeps_stdout_for_its_run(t
     assert json.loads(indexed.stdout)["added"] == len(good_rows("a"))
     assert_one_error_line(mixed, "--report - would mix the report into the run on standard output; give --out FILE")
     assert not (tmp_path / "-").exists()
+    both = subprocess.run(f"{sys.executable} -m embedctl.cli score docs.jsonl docs.jsonl -q --report - "
+                          "--out /dev/stdout > both.txt", shell=True, cwd=tmp_path, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert_one_error_line(both, "--report - would mix the report into the run on standard output")
+    # -v's settings line goes nowhere with stderr closed, rather than into the report on stdout
+    closed = subprocess.run(f"{sys.executable} -m embedctl.cli index docs.jsonl --out y.lance -v --report - 2>&-",
+                            shell=True, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, text=True, timeout=300)
+    assert json.loads(closed.stdout)["added"] == len(good_rows("a"))
 
 
 def test_a_glob_in_the_output_folder_takes_an_output_it_would_never_read(tmp_path: Path) -> None:

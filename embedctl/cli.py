@@ -304,8 +304,7 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port to listen on.")] = 8000,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).")] = "127.0.0.1",
     model: ModelOpt = None,
-    api_key: Annotated[Optional[str], typer.Option(envvar="EMBEDCTL_API_KEY", show_envvar=True,
-                                                   help="Require 'Authorization: Bearer KEY' on everything but the health checks "
+    api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' on everything but the health checks "
                                                         "(/health, /ping, GET /) and the docs (/docs, /openapi.json).")] = None,
     max_batch_tokens: BatchTokensOpt = None,
     max_seqs: MaxSeqsOpt = 512,
@@ -340,13 +339,21 @@ def serve(
                               cuda_graphs=not eager, compile=fuse, warmup=warmup, attention=attention,
                               normalize=normalize, dim=dim, max_length=max_length, lanes=lanes)
         limits = ServeLimits(max_client_batch=max_client_batch, max_request_bytes=max_request_bytes, max_queue=max_queue)
-        # click takes an empty EMBEDCTL_API_KEY for an unset one: a server meant to be guarded would run open.
-        key = api_key if api_key is not None or "EMBEDCTL_API_KEY" not in os.environ else os.environ["EMBEDCTL_API_KEY"]
-        run_server(model, config, ServeOptions(host=host, port=port, api_key=key, limits=limits, access_log=access_log,
-                                               tokenizer_processes=tokenizer_processes, doc_prompt=doc_prompt,
-                                               query_prompt=query_prompt, cors_allow_origins=tuple(cors_allow_origin or ())))
+        run_server(model, config, ServeOptions(host=host, port=port, api_key=_set(api_key, "EMBEDCTL_API_KEY"),
+                                               limits=limits, access_log=access_log,
+                                               tokenizer_processes=tokenizer_processes,
+                                               doc_prompt=_set(doc_prompt, "EMBEDCTL_DOC_PROMPT"),
+                                               query_prompt=_set(query_prompt, "EMBEDCTL_QUERY_PROMPT"),
+                                               cors_allow_origins=tuple(cors_allow_origin or ())))
 
     _guarded(run, None, stopped="the server stopped")
+
+
+def _set(value: str | None, variable: str) -> str | None:
+    """A serve option, or its environment variable's value where that is set but empty: click takes an empty one
+    for an unset one, and an empty EMBEDCTL_API_KEY would leave a server meant to be guarded open, an empty
+    EMBEDCTL_DOC_PROMPT (no prompt, as --doc-prompt '') give the model's prompt."""
+    return os.environ[variable] if value is None and os.environ.get(variable) == "" else value
 
 
 def _load(model: str | None, config: EngineConfig) -> tuple[Engine, TextTokenizer]:

@@ -859,3 +859,17 @@ def test_serve_warms_up_its_graphs_unless_told_not_to(monkeypatch, flags: list[s
     result = CliRunner().invoke(app, ["serve", "--port", "0", *flags])
     assert result.exit_code == 0, result.output
     assert [config.warmup for config in configs] == [warmup]
+
+
+def test_serve_takes_an_empty_prompt_from_the_environment_as_no_prompt(monkeypatch) -> None:
+    # click takes an empty variable for an unset one, which would give the model's own prompt instead of none
+    import embedctl.serve
+    from typer.testing import CliRunner
+
+    options = []
+    monkeypatch.setattr(embedctl.serve, "serve", lambda model, config, given: options.append(given))
+    environment = {"EMBEDCTL_DOC_PROMPT": "", "EMBEDCTL_QUERY_PROMPT": "", "EMBEDCTL_PORT": "0"}
+    assert CliRunner().invoke(app, ["serve"], env=environment).exit_code == 0
+    assert (options[0].doc_prompt, options[0].query_prompt, options[0].port) == ("", "", 0)
+    assert CliRunner().invoke(app, ["serve"], env={"EMBEDCTL_QUERY_PROMPT": "query: "}).exit_code == 0
+    assert (options[1].doc_prompt, options[1].query_prompt) == (None, "query: ")

@@ -50,7 +50,7 @@ _LANCE_IO = "LanceError(IO)"  # how Lance's RuntimeError tells an I/O failure (a
 _LANCE_PREFIX = re.compile(r"^lance error: LanceError\(\w+\): ")
 _TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # the table names LanceDB accepts
 # What a Lance table's folder holds; a create that was killed leaves some of them and no readable version
-_LANCE_ENTRIES = frozenset({"_versions", "data", "_transactions", "_indices", "_deletions", "_refs",
+_LANCE_ENTRIES = frozenset({"_versions", "data", "_transactions", "_indices", "_deletions", "_refs", "tree",
                             "_latest.manifest"})
 
 

@@ -20,9 +20,10 @@ import os
 import posixpath
 import re
 import sys
+import urllib.parse
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import IO
 
@@ -47,6 +48,8 @@ _GLOB = re.compile(r"[*?\[]")
 # out like a side file.
 _OTHER_COMPRESSION = re.compile(r"\.(?:jsonl|ndjson|parquet)\.(zstd?|bz2|xz|lzma|lz4|zip|br|snappy|7z|gz|gzip|z)$",
                                 re.IGNORECASE)
+_HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # the folder Hive and Spark write a partition's null value as
+_WHOLE = re.compile(r"-?(0|[1-9]\d{0,17})")  # a partition value read as an int64: no leading zeros (id=007 stays text)
 _JSONL_ID_FIX = "give every line an id, or pass --id-col naming a key the file lacks to number lines instead"
 
 
@@ -71,6 +74,7 @@ class _File:
     rel: str  # name relative to the given directory: the prefix of generated ids
     has_id: bool = False  # Parquet only; in JSONL the first line decides
     rows: int = 0  # Parquet only, from the footer
+    partitions: dict[str, int | str | None] = field(default_factory=dict)  # its key=value folders (_partitioned)
 
 
 class CorpusReader:
@@ -90,6 +94,7 @@ class CorpusReader:
         self.keep = list(dict.fromkeys(keep))
         self._fs, self._files, self.json_left_out = _resolve(path)
         self.files: list[str] = [f.shown for f in self._files]
+        self._partition_types = _partitioned(self._files)
         # Every chunk's kept table gets one schema so the writer can fix its schema from the first.
         self._kept_schema: pa.Schema | None = None
         self._kept_origins: dict[str, str] = {}  # kept column -> the Parquet file that gave it its type
@@ -172,9 +177,9 @@ class CorpusReader:
                 "pass --text-col with a string column"
             )
         for col in self.keep:
-            if col not in schema.names:
+            if col not in schema.names and col not in f.partitions:
                 raise UserError(
-                    f"{f.shown} has no column '{col}' for --keep (its columns: {names}); "
+                    f"{f.shown} has no column '{col}' for --keep (its columns: {names}), nor a folder {col}=VALUE; "
                     "check its spelling or drop it from --keep"
                 )
         f.has_id = self.id_col in schema.names
@@ -189,11 +194,14 @@ class CorpusReader:
                     f"{f.shown}: column '{self.id_col}' is {id_type}, which cannot serve as an id; "
                     "pass --id-col with a string or number column"
                 ) from None
-        return pa.schema([_without_view(schema.field(c)) for c in self.keep])
+        return pa.schema([_without_view(schema.field(c)) if c in schema.names else pa.field(c, self._partition_types[c])
+                          for c in self.keep])
 
     def _read_parquet(self, f: _File) -> Iterator[Chunk]:
-        columns = list(dict.fromkeys([self.text_col, *([self.id_col] if f.has_id else []), *self.keep]))
         handle, pfile = self._open_parquet(f)
+        names = pfile.schema_arrow.names
+        kept = [name for name in self.keep if name in names]  # the others come from the file's folders
+        columns = list(dict.fromkeys([self.text_col, *([self.id_col] if f.has_id else []), *kept]))
         with handle:
             batches = pfile.iter_batches(batch_size=self.chunk_rows, columns=columns)
             row = 1
@@ -234,7 +242,13 @@ class CorpusReader:
             ids = [f"{f.rel}:{n}" for n in lines]
         kept = None
         if self.keep:
-            kept = pa.Table.from_batches([batch.select(self.keep)])
+            in_file = [name for name in self.keep if name in batch.schema.names]
+            kept = pa.Table.from_batches([batch.select(in_file)])
+            for name in self.keep:
+                if name not in in_file:
+                    kept = kept.append_column(name, pa.array([f.partitions[name]] * batch.num_rows,
+                                                             self._partition_types[name]))
+            kept = kept.select(self.keep)
             if not kept.schema.equals(self._kept_schema):
                 kept = self._cast_kept(f, lines, kept)
         return Chunk(f.shown, ids, batch.column(self.text_col).to_pylist(), lines, kept)
@@ -269,7 +283,7 @@ class CorpusReader:
             texts.append(row[self.text_col])
             lines.append(number)
             if self.keep:
-                kept_rows.append(row)
+                kept_rows.append(f.partitions | row)  # a key of its own wins over its folder's
             if len(lines) == self.chunk_rows:
                 yield Chunk(f.shown, ids, texts, lines, self._jsonl_kept(f, kept_rows, lines))
                 ids, texts, lines, kept_rows = [], [], [], []
@@ -279,7 +293,9 @@ class CorpusReader:
     def _check_jsonl_keep(self, f: _File) -> None:
         """Refuse a --keep key that no line of the file has, as Parquet refuses a missing column: read on,
         it would become a column of nulls. Reading stops once every key has been seen, mostly on line 1."""
-        missing = self.keep
+        missing = [name for name in self.keep if name not in f.partitions]
+        if not missing:
+            return
         keys: dict[str, None] = {}  # every key seen, in order
         for _, row in self._jsonl_rows(f):
             missing = [name for name in missing if name not in row]
@@ -461,7 +477,7 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File], list[st
         elif side:
             left_out += 1
         else:
-            files.append(_File(p, base + rel, rel))
+            files.append(_File(p, base + rel, rel, partitions=_partitions(rel)))
     if not files:
         hidden = (f" but {plural(left_out, 'file')} under a name that starts with . or _, which are left out as "
                   "temporary or side files; rename them, or name them in a glob (_*.jsonl)") if left_out else ""
@@ -469,6 +485,31 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File], list[st
                       "(DIR/*.json)") if json_left_out else ""
         raise UserError(f"{path} holds no {_SUFFIX_LIST} files{hidden}{json_files}; check the path")
     return fs, files, json_left_out
+
+
+def _partitions(rel: str) -> dict[str, int | str | None]:
+    """The key=value folders of a file's path below SOURCE, as Hive, Spark and pyarrow's datasets lay out
+    partitions (lang=en/part-0.parquet), their names and values unquoted; Hive's null is None."""
+    pairs: dict[str, int | str | None] = {}
+    for folder in rel.split("/")[:-1]:
+        key, equals, value = folder.partition("=")
+        if equals and key:
+            pairs[urllib.parse.unquote(key)] = None if value == _HIVE_NULL else urllib.parse.unquote(value)
+    return pairs
+
+
+def _partitioned(files: list[_File]) -> dict[str, pa.DataType]:
+    """Each partition key's type: int64 where every file's value is a whole number (year=2024), as pyarrow's
+    datasets infer it, else string; the files' values turned into that type, in place."""
+    types = {}
+    for key in dict.fromkeys(key for f in files for key in f.partitions):
+        values = [f.partitions[key] for f in files if f.partitions.get(key) is not None]
+        whole = bool(values) and all(_WHOLE.fullmatch(str(value)) for value in values)
+        types[key] = pa.int64() if whole else pa.string()
+        for f in files:
+            if whole and f.partitions.get(key) is not None:
+                f.partitions[key] = int(f.partitions[key])
+    return types
 
 
 def _refuse_other_compression(shown: str) -> None:

@@ -536,7 +536,24 @@ def test_parquet_strings_that_are_not_utf8_name_the_file_column_and_row(tmp_path
 def test_parquet_missing_keep_column(tmp_path):
     write_parquet(tmp_path / "a.parquet", {"text": ["x"]})
     message = error(path=str(tmp_path), keep=["lang"])
-    assert f"{tmp_path}/a.parquet has no column 'lang' for --keep (its columns: text); check its spelling" in message
+    assert f"{tmp_path}/a.parquet has no column 'lang' for --keep (its columns: text), nor a folder lang=VALUE; check " \
+           "its spelling" in message
+
+
+def test_hive_partition_folders_give_columns_to_keep(tmp_path):
+    # Spark's and pyarrow's layout: the partition key is in the path, not in the files
+    write_parquet(tmp_path / "c" / "year=2024" / "lang=en" / "part-0.parquet", {"id": ["a", "b"], "text": ["x", "y"]})
+    write_jsonl(tmp_path / "c" / "year=2025" / "lang=de%2Fat" / "part-0.jsonl", [{"id": "c", "text": "z"}])
+    write_jsonl(tmp_path / "c" / "year=__HIVE_DEFAULT_PARTITION__" / "lang=fr" / "part-0.jsonl",
+                [{"id": "d", "text": "w", "lang": "fr-CA"}])  # a key of the file's own wins over its folder's
+    reader = CorpusReader(f"{tmp_path}/c", keep=["lang", "year"])
+    chunks = list(reader)
+    kept = pa.concat_tables([chunk.kept for chunk in chunks])
+    assert kept.schema == pa.schema([("lang", pa.string()), ("year", pa.int64())])
+    assert kept.to_pylist() == [{"lang": "en", "year": 2024}, {"lang": "en", "year": 2024},
+                                {"lang": "de/at", "year": 2025}, {"lang": "fr-CA", "year": None}]
+    write_parquet(tmp_path / "c" / "loose.parquet", {"text": ["v"]})  # a file outside the partitions has no key
+    assert error(path=f"{tmp_path}/c", keep=["lang"]).startswith(f"{tmp_path}/c/loose.parquet has no column 'lang'")
 
 
 def test_jsonl_kept_key_in_no_line_is_refused_up_front(tmp_path):

@@ -64,9 +64,10 @@ _ASCII_SPACES = bytes.maketrans(b"\t\n\r", b"   ")
 _ASCII_CONTROLS = bytes(code for code in (*range(0x20), 0x7F) if code not in b"\t\n\r")
 # Normal forms change no ASCII character.
 _ASCII_UNCHANGED = ("NFC", "NFD", "NFKC", "NFKD")
-# BertNormalizer's Chinese characters: with handle_chinese_chars it puts a space on each side of one.
-_IDEOGRAPHS = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ceaf"
-                         "\U0002f800-\U0002fa1f]")
+# BertNormalizer's Chinese characters: with handle_chinese_chars it puts a space on each side of one. Its list
+# (tokenizers' is_chinese_char) leaves out U+2B820-U+2B91F, the start of Extension E, which stay word characters.
+_IDEOGRAPHS = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002b81f"
+                         "\U0002b920-\U0002ceaf\U0002f800-\U0002fa1f]")
 # Punctuation marks a cut may end before (cut_points): ASCII's and the commonest Chinese and Japanese ones.
 _CUT_MARKS = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~，。、；：？！"
 # What a space-splitting pattern's piece may end with before a punctuation mark, for a cut there to give

@@ -242,6 +242,21 @@ def test_long_chinese_texts_are_cut_between_chinese_characters(by_words: bool) -
     assert max(itertools.chain.from_iterable(tokenizer.tokenizer.calls)) <= max_length * CUT_CHARS_PER_TOKEN
 
 
+def test_the_characters_the_library_keeps_in_words_are_no_cut_point(tmp_path: Path) -> None:
+    # U+2B820-U+2B91F lie inside Extension E but outside tokenizers' list of Chinese characters: a run of them is
+    # one word, and a word of more than 100 characters is one [UNK], which a cut inside it would break into pieces
+    tokenizer = Tokenizer.from_file(str(resolve_model(None).tokenizer_file))
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    vocab |= {"\U0002b820": len(vocab), "##\U0002b821": len(vocab) + 1}
+    tokenizer.model = models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100)
+    tokenizer.save(str(tmp_path / "extension-e.json"))
+    texts = ["\U0002b820" + "\U0002b821" * 150, "东京" + "\U0002b820\U0002b821" * 60]
+    expected = whole_tokenizer(tmp_path / "extension-e.json", 8).encode_batch_fast(texts)
+    for by_words in (True, False):
+        encoded = TextTokenizer(tmp_path / "extension-e.json", 8, by_words=by_words).encode(texts)
+        assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in expected]
+
+
 def test_chinese_characters_are_no_cut_point_where_they_need_not_be_words_of_their_own(tmp_path: Path) -> None:
     tokenizer = Tokenizer.from_file(str(resolve_model(None).tokenizer_file))
     assert TextTokenizer(resolve_model(None).tokenizer_file, 64)._cut_points.search("东京")

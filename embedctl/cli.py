@@ -264,7 +264,6 @@ def score(
         _check_report_path(report)
         if out is None and sys.stdout is None:  # started with stdout closed (>&-)
             raise UserError("standard output is closed, and the run goes there without --out; give --out FILE")
-
         options = ScoreOptions(queries=queries, docs=docs, index=index, table=table, reranker=reranker, rerank_depth=rerank_depth,
                                qrels=qrels, out=out, top_k=top_k, format=run_format.value, overwrite=overwrite,
                                text_col=text_col, id_col=id_col, query_prompt=query_prompt, doc_prompt=doc_prompt,

@@ -49,7 +49,7 @@ _GLOB = re.compile(r"[*?\[]")
 _OTHER_COMPRESSION = re.compile(r"\.(?:jsonl|ndjson|parquet)\.(zstd?|bz2|xz|lzma|lz4|zip|br|snappy|7z|gz|gzip|z)$",
                                 re.IGNORECASE)
 _HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # the folder Hive and Spark write a partition's null value as
-_WHOLE = re.compile(r"-?(0|[1-9]\d{0,17})")  # a partition value read as an int64: no leading zeros (id=007 stays text)
+_WHOLE = re.compile(r"-?(0|[1-9][0-9]{0,17})")  # a partition value read as an int64: no leading zeros (id=007 stays text)
 _JSONL_ID_FIX = "give every line an id, or pass --id-col naming a key the file lacks to number lines instead"
 
 

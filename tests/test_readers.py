@@ -552,6 +552,9 @@ def test_hive_partition_folders_give_columns_to_keep(tmp_path):
     assert kept.schema == pa.schema([("lang", pa.string()), ("year", pa.int64())])
     assert kept.to_pylist() == [{"lang": "en", "year": 2024}, {"lang": "en", "year": 2024},
                                 {"lang": "de/at", "year": 2025}, {"lang": "fr-CA", "year": None}]
+    assert CorpusReader(f"{tmp_path}/c", keep=["year"])._partition_types["year"] == pa.int64()
+    write_jsonl(tmp_path / "d" / "n=2\uff10\uff12\uff14" / "p.jsonl", [{"text": "v"}])  # fullwidth digits: text, as pyarrow
+    assert CorpusReader(f"{tmp_path}/d", keep=["n"])._partition_types["n"] == pa.string()
     write_parquet(tmp_path / "c" / "loose.parquet", {"text": ["v"]})  # a file outside the partitions has no key
     assert error(path=f"{tmp_path}/c", keep=["lang"]).startswith(f"{tmp_path}/c/loose.parquet has no column 'lang'")
 

@@ -74,7 +74,8 @@ class _File:
     rel: str  # name relative to the given directory: the prefix of generated ids
     has_id: bool = False  # Parquet only; in JSONL the first line decides
     rows: int = 0  # Parquet only, from the footer
-    partitions: dict[str, int | str | None] = field(default_factory=dict)  # its key=value folders (_partitioned)
+    partitions: dict[str, str | None] = field(default_factory=dict)  # its key=value folders (_partitions)
+    folder_keys: list[str] = field(default_factory=list)  # the --keep keys whose values it takes from its folders
 
 
 class CorpusReader:
@@ -92,29 +93,36 @@ class CorpusReader:
             raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
         self.text_col, self.id_col, self.chunk_rows = text_col, id_col, chunk_rows
         self.keep = list(dict.fromkeys(keep))
+        self.source = path
         self._fs, self._files, self.json_left_out = _resolve(path)
         self.files: list[str] = [f.shown for f in self._files]
-        self._partition_types = _partitioned(self._files)
         # Every chunk's kept table gets one schema so the writer can fix its schema from the first.
         self._kept_schema: pa.Schema | None = None
-        self._kept_origins: dict[str, str] = {}  # kept column -> the Parquet file that gave it its type
+        self._kept_origins: dict[str, str] = {}  # kept column -> the Parquet file (or output) that gave it its type
         self._typed_by = "earlier lines"  # with JSONL alone: the file and lines whose values gave the kept types
+        self._followed: str | None = None  # the output whose kept types this run follows (follow)
         # Files read so far whose rows are numbered FILE:ROW for want of an id column (a Parquet file's as it is
         # checked, below; a JSONL file's on its first line): an --id-col misspelt would number every row.
         self.numbered: list[str] = []
         parquet = [f for f in self._files if _is_parquet(f.path)]
-        for f in parquet:
-            kept = self._check_parquet(f)
-            if self.keep:
+        own_columns = {f.path: self._check_parquet(f) for f in parquet}  # the kept columns each file holds itself
+        text_keys = {field.name for schema in own_columns.values() for field in schema if _is_text(field.type)}
+        if self.keep:
+            for f in self._files:
+                if not _is_parquet(f.path):
+                    text_keys |= self._check_jsonl_keep(f)
+        self._partition_types = _partitioned(self._files, self.keep, text_keys)
+        if self.keep:
+            for f in parquet:
+                own = own_columns[f.path]
+                kept = pa.schema([own.field(c) if c in own.names else pa.field(c, self._partition_types[c])
+                                  for c in self.keep])
                 unified = _unify(f, self._kept_schema, kept)
                 for field in unified:
                     if self._kept_schema is None or self._kept_schema.field(field.name).type != field.type:
                         self._kept_origins[field.name] = f.shown
                 self._kept_schema = unified
-        if self.keep:
-            for f in self._files:
-                if not _is_parquet(f.path):
-                    self._check_jsonl_keep(f)
+        self._own_columns = {name for schema in own_columns.values() for name in schema.names}
         self.total_rows: int | None = None
         if len(parquet) == len(self._files):
             self.total_rows = sum(f.rows for f in parquet)
@@ -124,9 +132,11 @@ class CorpusReader:
         and for a JSONL corpus in its types: --keep b --keep a then matches a table made with --keep a --keep b,
         and a key null throughout the first chunk keeps the type stored rather than becoming text. origin names
         the output in the message for a value that does not fit."""
-        self.keep = stored.names
-        if self._kept_schema is not None:  # typed by the Parquet files' own schemas: only the order
-            self._kept_schema = pa.schema([self._kept_schema.field(name) for name in stored.names])
+        self.keep, self._followed = stored.names, origin
+        if self._kept_schema is not None:  # typed by the Parquet files' own schemas, but for keys only folders give
+            self._kept_schema = pa.schema([self._kept_schema.field(name) if name in self._own_columns
+                                           else stored.field(name) for name in stored.names])
+            self._kept_origins |= {name: origin for name in stored.names if name not in self._own_columns}
         else:
             self._kept_schema, self._typed_by = stored, origin
 
@@ -180,8 +190,9 @@ class CorpusReader:
             if col not in schema.names and col not in f.partitions:
                 raise UserError(
                     f"{f.shown} has no column '{col}' for --keep (its columns: {names}), nor a folder {col}=VALUE; "
-                    "check its spelling or drop it from --keep"
+                    f"check its spelling or drop it from --keep{self._source_folder_hint(col)}"
                 )
+        f.folder_keys = [col for col in self.keep if col not in schema.names]
         f.has_id = self.id_col in schema.names
         if not f.has_id:
             self.numbered.append(f.shown)
@@ -194,8 +205,7 @@ class CorpusReader:
                     f"{f.shown}: column '{self.id_col}' is {id_type}, which cannot serve as an id; "
                     "pass --id-col with a string or number column"
                 ) from None
-        return pa.schema([_without_view(schema.field(c)) if c in schema.names else pa.field(c, self._partition_types[c])
-                          for c in self.keep])
+        return pa.schema([_without_view(schema.field(c)) for c in self.keep if c in schema.names])
 
     def _read_parquet(self, f: _File) -> Iterator[Chunk]:
         handle, pfile = self._open_parquet(f)
@@ -242,12 +252,10 @@ class CorpusReader:
             ids = [f"{f.rel}:{n}" for n in lines]
         kept = None
         if self.keep:
-            in_file = [name for name in self.keep if name in batch.schema.names]
-            kept = pa.Table.from_batches([batch.select(in_file)])
-            for name in self.keep:
-                if name not in in_file:
-                    kept = kept.append_column(name, pa.array([f.partitions[name]] * batch.num_rows,
-                                                             self._partition_types[name]))
+            kept = pa.Table.from_batches([batch.select([name for name in self.keep if name not in f.folder_keys])])
+            for name in f.folder_keys:
+                kept = kept.append_column(name, self._folder_column(f, name, batch.num_rows,
+                                                                    self._kept_schema.field(name).type))
             kept = kept.select(self.keep)
             if not kept.schema.equals(self._kept_schema):
                 kept = self._cast_kept(f, lines, kept)
@@ -283,30 +291,67 @@ class CorpusReader:
             texts.append(row[self.text_col])
             lines.append(number)
             if self.keep:
-                kept_rows.append(f.partitions | row)  # a key of its own wins over its folder's
+                self._check_folder_keys(f, number, row, first[0])
+                kept_rows.append(row)
             if len(lines) == self.chunk_rows:
                 yield Chunk(f.shown, ids, texts, lines, self._jsonl_kept(f, kept_rows, lines))
                 ids, texts, lines, kept_rows = [], [], [], []
         if lines:
             yield Chunk(f.shown, ids, texts, lines, self._jsonl_kept(f, kept_rows, lines))
 
-    def _check_jsonl_keep(self, f: _File) -> None:
+    def _check_jsonl_keep(self, f: _File) -> set[str]:
         """Refuse a --keep key that no line of the file has, as Parquet refuses a missing column: read on,
-        it would become a column of nulls. Reading stops once every key has been seen, mostly on line 1."""
+        it would become a column of nulls. Set the keys the file takes from its folders: those its first line
+        lacks (the first line decides, as for ids). Return the keys whose first line holds text, which then
+        stays text in every file. Reading stops once every key has been seen, mostly on line 1."""
         missing = [name for name in self.keep if name not in f.partitions]
-        if not missing:
-            return
         keys: dict[str, None] = {}  # every key seen, in order
-        for _, row in self._jsonl_rows(f):
+        text_keys: set[str] = set()
+        for number, row in self._jsonl_rows(f):
+            if not keys:
+                f.folder_keys = [name for name in self.keep if name in f.partitions and name not in row]
+                text_keys = {name for name in self.keep if isinstance(row.get(name), str)}
             missing = [name for name in missing if name not in row]
             if not missing:
-                return
+                return text_keys
             keys.update(dict.fromkeys(row))
-        if keys:  # a file without rows gives no column at all
+        if keys and missing:  # a file without rows gives no column at all
             raise UserError(
-                f"{f.shown}: no line has the --keep key '{missing[0]}' (its keys: {', '.join(keys)}); "
-                "check its spelling or drop it from --keep"
+                f"{f.shown}: no line has the --keep key '{missing[0]}' (its keys: {', '.join(keys)}), nor a folder "
+                f"{missing[0]}=VALUE; check its spelling or drop it from --keep{self._source_folder_hint(missing[0])}"
             )
+        return text_keys
+
+    def _check_folder_keys(self, f: _File, number: int, row: dict, first_line: int) -> None:
+        """Refuse a line whose own value of a key contradicts the folder that gives the file's values of it."""
+        for name in f.folder_keys:
+            if name in row and _as_text(row[name]) != f.partitions[name]:
+                raise UserError(f"{f.shown} line {number}: '{name}' is {json.dumps(row[name])}, but line {first_line} "
+                                f"has no '{name}', so the folder {name}={f.partitions[name]} gives every line its value; "
+                                "give the key in every line of the file, or in none")
+
+    def _source_folder_hint(self, key: str) -> str:
+        """For a key no file has: where SOURCE itself names a folder key=VALUE, that only folders below SOURCE count."""
+        if (spelled := re.search(rf"(^|/){re.escape(key)}=[^/]*", self.source)) is None:
+            return ""
+        glob = f"{self.source[:spelled.start()]}{spelled.group(1)}{key}=*{self.source[spelled.end():]}"
+        return f" (a folder {key}=VALUE counts only below SOURCE: give a glob such as '{glob}')"
+
+    def _folder_column(self, f: _File, name: str, rows: int, kind: pa.DataType) -> pa.Array:
+        """The value of a key that f takes from its folder, `rows` times, as kind; UserError where kind cannot hold
+        it (year=unknown where an output stored whole numbers)."""
+        value = f.partitions[name]
+        column = pa.repeat(pa.scalar(value, pa.string()), rows)
+        try:
+            if value is not None and pa.types.is_integer(kind) and not _WHOLE.fullmatch(value):
+                raise pa.ArrowInvalid("not a whole number")
+            return column.cast(kind)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            origin = self._kept_origins.get(name, self._typed_by)
+            fix = ("pass --rebuild to store the column anew" if origin == self._followed
+                   else "give the folders and files one type of value")
+            raise UserError(f"{f.shown}: its folder {name}={value} does not fit the type {kind} that '{name}' has in "
+                            f"{origin}; {fix}, or leave '{name}' out of --keep") from None
 
     def _jsonl_rows(self, f: _File) -> Iterator[tuple[int, dict]]:
         """Each non-blank line's number and its object, checked by _parse_line."""
@@ -401,8 +446,11 @@ class CorpusReader:
             return None
         columns = {}
         for name in self.keep:
-            values = [r.get(name) for r in rows]
             known = self._kept_schema.field(name).type if self._kept_schema else None
+            if name in f.folder_keys:
+                columns[name] = self._folder_column(f, name, len(rows), known or self._partition_types[name])
+                continue
+            values = [r.get(name) for r in rows]
             if known is not None and _is_text(known):
                 values = [_as_text(v) for v in values]
             try:
@@ -487,10 +535,10 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File], list[st
     return fs, files, json_left_out
 
 
-def _partitions(rel: str) -> dict[str, int | str | None]:
+def _partitions(rel: str) -> dict[str, str | None]:
     """The key=value folders of a file's path below SOURCE, as Hive, Spark and pyarrow's datasets lay out
     partitions (lang=en/part-0.parquet), their names and values unquoted; Hive's null is None."""
-    pairs: dict[str, int | str | None] = {}
+    pairs: dict[str, str | None] = {}
     for folder in rel.split("/")[:-1]:
         key, equals, value = folder.partition("=")
         if equals and key:
@@ -498,17 +546,17 @@ def _partitions(rel: str) -> dict[str, int | str | None]:
     return pairs
 
 
-def _partitioned(files: list[_File]) -> dict[str, pa.DataType]:
-    """Each partition key's type: int64 where every file's value is a whole number (year=2024), as pyarrow's
-    datasets infer it, else string; the files' values turned into that type, in place."""
+def _partitioned(files: list[_File], keep: list[str], text_keys: set[str]) -> dict[str, pa.DataType]:
+    """The type of each --keep key that files take from their folders: int64 where every such folder's value is a
+    whole number (year=2024), as pyarrow's datasets infer it, unless a file holds the key as text of its own
+    (text_keys); else string."""
     types = {}
-    for key in dict.fromkeys(key for f in files for key in f.partitions):
-        values = [f.partitions[key] for f in files if f.partitions.get(key) is not None]
-        whole = bool(values) and all(_WHOLE.fullmatch(str(value)) for value in values)
-        types[key] = pa.int64() if whole else pa.string()
-        for f in files:
-            if whole and f.partitions.get(key) is not None:
-                f.partitions[key] = int(f.partitions[key])
+    for key in keep:
+        values = [f.partitions[key] for f in files if key in f.folder_keys]
+        if values:
+            known = [value for value in values if value is not None]
+            whole = bool(known) and key not in text_keys and all(_WHOLE.fullmatch(value) for value in known)
+            types[key] = pa.int64() if whole else pa.string()
     return types
 
 

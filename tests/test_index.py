@@ -507,6 +507,30 @@ def test_a_kept_nanosecond_timestamp_is_written_as_it_is_and_a_rerun_changes_not
     assert index(engine, tmp_path / "ts.parquet", f"{tmp_path}/{out}", keep=("at",)).unchanged == 3
 
 
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_a_partition_key_keeps_the_type_the_output_gave_it_when_its_folders_change(tmp_path: Path, engine: Engine,
+                                                                                  suffix: str) -> None:
+    """year=unknown made the key text; once that folder is gone the whole numbers left must not retype it."""
+    def shard(year: str, doc: str) -> None:
+        path = tmp_path / "c" / f"year={year}" / f"part-0{suffix}"
+        path.parent.mkdir(parents=True)
+        if suffix == ".parquet":
+            pq.write_table(pa.table({"id": [doc], "text": [f"Text {doc}."]}), path)
+        else:
+            write_jsonl(path, [{"id": doc, "text": f"Text {doc}."}])
+
+    shard("2024", "a")
+    shard("unknown", "b")
+    out = f"{tmp_path}/x.lance"
+    assert index(engine, tmp_path / "c", out, keep=("year",)).added == 2
+    shutil.rmtree(tmp_path / "c" / "year=unknown")
+    shard("2025", "c")
+    report = index(engine, tmp_path / "c", out, keep=("year",))
+    assert (report.added, report.unchanged) == (1, 1)
+    assert sorted(read_output(out).select(["id", "year"]).to_pylist(), key=lambda row: row["id"]) == [
+        {"id": "a", "year": "2024"}, {"id": "b", "year": "unknown"}, {"id": "c", "year": "2025"}]
+
+
 @pytest.mark.parametrize("out", OUTPUTS)
 def test_the_same_weights_with_another_config_or_tokenizer_are_refused(tmp_path: Path, out: str) -> None:
     """Vectors depend on config.json (the activation) and tokenizer.json as much as on the weights."""

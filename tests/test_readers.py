@@ -559,13 +559,58 @@ def test_hive_partition_folders_give_columns_to_keep(tmp_path):
     assert error(path=f"{tmp_path}/c", keep=["lang"]).startswith(f"{tmp_path}/c/loose.parquet has no column 'lang'")
 
 
+def test_a_partition_key_that_files_also_hold_as_text_is_text_in_every_file(tmp_path):
+    # whole numbers in the folders, but a file's own column of the key holds text: one string column, in either
+    # format and whichever file comes first
+    write_parquet(tmp_path / "p" / "n=1" / "a.parquet", {"text": ["x"]})
+    write_parquet(tmp_path / "p" / "n=2" / "b.parquet", {"text": ["y"], "n": ["two"]})
+    write_jsonl(tmp_path / "j" / "n=1" / "a.jsonl", [{"text": "x"}])
+    write_jsonl(tmp_path / "j" / "n=2" / "b.jsonl", [{"text": "y", "n": "two"}])
+    for corpus in ("p", "j"):
+        kept = pa.concat_tables([chunk.kept for chunk in CorpusReader(f"{tmp_path}/{corpus}", keep=["n"])])
+        assert kept.schema == pa.schema([("n", pa.string())]) and kept.column("n").to_pylist() == ["1", "two"]
+
+
+def test_a_null_partition_first_still_types_the_key_by_the_other_folders(tmp_path):
+    write_jsonl(tmp_path / "c" / "a" / "year=__HIVE_DEFAULT_PARTITION__" / "x.jsonl", [{"text": "x"}])
+    write_jsonl(tmp_path / "c" / "b" / "year=2024" / "y.jsonl", [{"text": "y"}])
+    kept = pa.concat_tables([chunk.kept for chunk in CorpusReader(f"{tmp_path}/c", keep=["year"])])
+    assert kept.schema == pa.schema([("year", pa.int64())]) and kept.column("year").to_pylist() == [None, 2024]
+
+
+def test_a_jsonl_file_whose_first_line_has_the_partition_key_keeps_its_own_values(tmp_path):
+    # the first line decides, as it does for ids: a line without the key is null, not the folder's value
+    write_jsonl(tmp_path / "c" / "lang=en" / "a.jsonl", [{"text": "x", "lang": "fr"}, {"text": "y"}])
+    kept = pa.concat_tables([chunk.kept for chunk in CorpusReader(f"{tmp_path}/c", keep=["lang"])])
+    assert kept.column("lang").to_pylist() == ["fr", None]
+    # and a line that contradicts the folder its file's values come from is refused rather than overruled
+    write_jsonl(tmp_path / "d" / "lang=en" / "a.jsonl", [{"text": "x"}, {"text": "y", "lang": "en"},
+                                                         {"text": "z", "lang": "fr"}])
+    assert error(path=f"{tmp_path}/d", keep=["lang"]) == (
+        f"{tmp_path}/d/lang=en/a.jsonl line 3: 'lang' is \"fr\", but line 1 has no 'lang', so the folder lang=en "
+        "gives every line its value; give the key in every line of the file, or in none")
+
+
+def test_a_partition_folder_in_source_itself_is_named_in_the_missing_column_message(tmp_path):
+    # as in pyarrow's datasets, only the folders below SOURCE are partitions
+    write_parquet(tmp_path / "c" / "lang=en" / "a.parquet", {"text": ["x"]})
+    write_jsonl(tmp_path / "d" / "lang=en" / "a.jsonl", [{"text": "x"}])
+    hint = "(a folder lang=VALUE counts only below SOURCE: give a glob such as '{}')"
+    assert error(path=f"{tmp_path}/c/lang=en", keep=["lang"]).endswith(
+        f"nor a folder lang=VALUE; check its spelling or drop it from --keep {hint.format(f'{tmp_path}/c/lang=*')}")
+    assert error(path=f"{tmp_path}/d/lang=en/", keep=["lang"]) == (
+        f"{tmp_path}/d/lang=en/a.jsonl: no line has the --keep key 'lang' (its keys: text), nor a folder lang=VALUE; "
+        f"check its spelling or drop it from --keep {hint.format(f'{tmp_path}/d/lang=*/')}")
+    assert [c.kept.to_pylist() for c in CorpusReader(f"{tmp_path}/c/lang=*", keep=["lang"])] == [[{"lang": "en"}]]
+
+
 def test_jsonl_kept_key_in_no_line_is_refused_up_front(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [{"text": "x", "lang": "en"}])
     write_jsonl(tmp_path / "b.jsonl", [{"id": "1", "text": "y"}, "", {"id": "2", "text": "z", "year": 2}])
     with pytest.raises(UserError) as info:
         CorpusReader(str(tmp_path), keep=["lang"])  # construction, before a row is handed on
     assert str(info.value) == (
-        f"{tmp_path}/b.jsonl: no line has the --keep key 'lang' (its keys: id, text, year); "
+        f"{tmp_path}/b.jsonl: no line has the --keep key 'lang' (its keys: id, text, year), nor a folder lang=VALUE; "
         "check its spelling or drop it from --keep"
     )
 

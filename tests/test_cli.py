@@ -801,6 +801,23 @@ def test_a_stopped_run_exits_with_its_code_says_so_in_the_report_and_leaves_noth
     assert after == before
 
 
+def test_ctrl_c_while_the_command_line_loads_ends_with_130_and_no_traceback(tmp_path: Path) -> None:
+    """The console script's guard, for the half second its libraries take to load: the interrupt is raised where
+    Python raises a Ctrl-C, inside an import (here pipelines.index's, through an import hook)."""
+    script = ("import sys\n"
+              "class CtrlC:\n"
+              "    def find_spec(self, name, path=None, target=None):\n"
+              "        if name == 'pipelines.index':\n"
+              "            raise KeyboardInterrupt\n"
+              "sys.meta_path.insert(0, CtrlC())\n"
+              "sys.argv = ['embedctl', 'index', 'docs', '--out', 'x.lance']\n"
+              "from embedctl.__main__ import main\n"
+              "main()\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env={**ENV, "PYTHONPATH": str(Path.cwd())},
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (130, "", "")
+
+
 @pytest.mark.parametrize("out", ["x.parquet/", "existing.parquet"], ids=["trailing slash", "existing folder"])
 def test_ctrl_c_into_a_folder_of_parts_named_parquet_says_the_run_resumes(tmp_path: Path, out: str) -> None:
     """A folder is a directory of parts whatever its name: its committed parts stay, and the message says so."""

@@ -3,10 +3,11 @@
     reader thread -> select thread + TokenizerPool -> packer + Engine.step (this thread)
         -> results thread (waits on each LazyTensor, builds record batches) -> writer thread
 
-Every row gets a content key: a hash of its text, its kept columns, the prompt and the settings that
-decide its vector (weights, pooling, normalisation, max length, dim). Rows whose id the output already
-holds under the same key are unchanged: they are counted and never tokenized or embedded. The rest are
-embedded and committed by the store in groups (pipelines/writers.py), so a run that fails or is killed
+Every row gets a content key: a hash of its text, the prompt and the settings that decide its vector
+(weights, pooling, normalisation, max length, dim), and one of its kept columns. Rows whose id the output
+already holds under the same key are unchanged: they are counted and never tokenized or embedded. Rows
+whose kept columns alone changed keep their stored vectors and get the new values at finish (a cron job
+whose metadata moves does not re-embed its corpus). The rest are embedded and committed by the store in groups (pipelines/writers.py), so a run that fails or is killed
 keeps its committed groups and the same command resumes after them. At the end, ids whose text the
 source now holds empty are deleted (their vectors were made from a text that is gone), and with prune
 ids that left the source. Bounded queues join the stages, so memory stays flat (but for the ids
@@ -53,8 +54,8 @@ from pipelines.progress import Progress, plural
 from pipelines.readers import Chunk, CorpusReader
 from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
-from pipelines.writers import (VectorStore, check_commit_rows, check_output, lance_table, lock_file, open_store,
-                               output_schema, stored_kept)
+from pipelines.writers import (CONTENT_KEY, VectorStore, check_commit_rows, check_output, lance_table, lock_file,
+                               open_store, output_schema, stored_kept)
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -102,6 +103,7 @@ class IndexReport:
     rows_committed: int = 0  # in the output (a rebuild: in its stage); of a stopped run, what the next run keeps
     added: int = 0
     updated: int = 0
+    kept_only: int = 0  # of updated: rows whose kept columns alone changed, their stored vectors kept
     unchanged: int = 0
     deleted: int = 0
     tokens: int = 0
@@ -136,7 +138,9 @@ class IndexReport:
                     "name JSON lines in a glob (DIR/*.json) to read them" if self.json_left_out else "")
         dropped = (f"; the rebuilt table has none of the old one's indexes ({', '.join(self.dropped_indexes)}): "
                    "create them again" if self.dropped_indexes else "")
-        return (f"{plural(self.rows_written + self.unchanged, 'row')}: {self.added:,} added, {self.updated:,} updated, "
+        kept_only = f" ({self.kept_only:,} in kept columns only)" if self.kept_only else ""
+        rows = self.rows_written + self.kept_only + self.unchanged
+        return (f"{plural(rows, 'row')}: {self.added:,} added, {self.updated:,} updated{kept_only}, "
                 f"{self.unchanged:,} unchanged, {self.deleted:,} deleted; {embedded}; {self.truncated:,} truncated, "
                 f"{self.skipped:,} skipped{numbered}{left_out} -> {written}{dropped}")
 
@@ -282,7 +286,9 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
                            options.commit_rows)
         source: dict[str, str] = {}  # id -> content key of every row a fresh build would write
         emptied: set[str] = set()  # ids of the output that the source lists with an empty text
-        selections = _select(_chain(first, chunks), options, report, _ContentKeys(settings), store, source, emptied)
+        restamps: list[pa.Table] = []  # stored rows whose kept columns alone changed: their new values
+        selections = _select(_chain(first, chunks), options, report, _ContentKeys(settings), store, source, emptied,
+                             restamps)
         tokenized = flow.stage(_tokenize(selections, model, options, reader.total_rows))
         if progress is not None:
             progress(0, 0, reader.total_rows)
@@ -302,7 +308,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
             raise UserError(f"the source holds no rows with text, so {cause} would delete {doomed:,} of the "
                             f"{len(store.existing):,} stored in {options.out}; check the source (an empty export?), "
                             "or remove the output to start it empty")
-        report.deleted = store.finish(source, options.prune, emptied)
+        report.deleted = store.finish(source, options.prune, emptied, restamps)
         report.dropped_indexes = list(store.dropped_indexes)
     except BaseException:
         flow.cancel()
@@ -314,7 +320,8 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
     report.numbered_files = len(reader.numbered)
     report.json_left_out = reader.json_left_out
     if progress is not None:
-        progress(report.rows_written + report.unchanged + report.skipped, report.tokens, reader.total_rows)
+        progress(report.rows_written + report.kept_only + report.unchanged + report.skipped, report.tokens,
+                 reader.total_rows)
     report.load_seconds = model.load_seconds if model.engines and not loaded_before else 0.0
     report.seconds = time.perf_counter() - started - report.load_seconds
     if model.engines:
@@ -349,8 +356,10 @@ def _embed(model: IndexModel, items: Iterator[_Tokenized], flow: _Flow) -> None:
 
 
 class _ContentKeys:
-    """A row's content key: what decides its vector (the settings, prompt included, and its text) and
-    what else the output stores of it (its kept columns). 32 hex digits of a sha256."""
+    """A row's content key: 32 hex digits of a sha256 of what decides its vector (the settings, prompt
+    included, and its text), and with kept columns a '+' and 16 of a sha256 of those, so that a change
+    to them alone shows as such. Outputs written before keys had two parts hold 32 digits of one hash of
+    both (legacy), which still names a row that has not changed."""
 
     def __init__(self, settings: dict[str, str]) -> None:
         # The model is named by its hashes; LATER_SETTINGS are checked per table, not per row.
@@ -358,32 +367,56 @@ class _ContentKeys:
         self._base = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
 
     def of(self, text: str, kept: dict | None) -> str:
+        vector_key = self._vector_hash(text).hexdigest()[:32]
+        if kept is None:
+            return vector_key
+        return f"{vector_key}+{hashlib.sha256(_kept_json(kept)).hexdigest()[:16]}"
+
+    def legacy(self, text: str, kept: dict) -> str:
+        key = self._vector_hash(text)
+        key.update(b"\0" + _kept_json(kept))
+        return key.hexdigest()[:32]
+
+    @staticmethod
+    def same_vector(stored: str, key: str) -> bool:
+        """Whether a stored row's key and a row's key name the same vector (their kept columns may differ)."""
+        return "+" in stored and stored.partition("+")[0] == key.partition("+")[0]
+
+    def _vector_hash(self, text: str) -> hashlib._Hash:
         key = self._base.copy()
         key.update(text.encode("utf-8", "surrogatepass"))
-        if kept is not None:
-            key.update(b"\0" + json.dumps(kept, sort_keys=True, default=str).encode())
-        return key.hexdigest()[:32]
+        return key
+
+
+def _kept_json(kept: dict) -> bytes:
+    return json.dumps(kept, sort_keys=True, default=str).encode()
 
 
 def _select(chunks: Iterator[Chunk], options: IndexOptions, report: IndexReport, keys: _ContentKeys,
-            store: VectorStore, source: dict[str, str], emptied: set[str]) -> Iterator[_Selection]:
+            store: VectorStore, source: dict[str, str], emptied: set[str],
+            restamps: list[pa.Table]) -> Iterator[_Selection]:
     """The rows of each chunk the output lacks or holds under another key; note every wanted row in source,
-    and in emptied the existing ids whose text is empty. A row that takes the place of one in the output
-    counts as updated, also when a rebuild replaces the output."""
+    in emptied the existing ids whose text is empty, and in restamps (id, content_key and kept columns) the
+    stored rows whose kept columns alone changed. A row that takes the place of one in the output counts as
+    updated, also when a rebuild replaces the output."""
     existing = store.existing
     blank: set[str] = set()  # the ids whose first row has an empty text
     for chunk in chunks:
         report.rows_read += len(chunk.ids)
         kept = _kept_rows(chunk.kept) if chunk.kept is not None else None
-        rows, row_keys = [], []
+        rows, row_keys, restamped, restamped_keys = [], [], [], []
         for row in range(len(chunk.ids)):
             row_id = chunk.ids[row]
             if not _wanted(chunk, row, options, report, source, blank):
                 if row_id in blank and row_id in existing:
                     emptied.add(row_id)
                 continue
-            key = source[row_id] = keys.of(chunk.texts[row], kept[row] if kept is not None else None)
+            text, kept_row = chunk.texts[row], kept[row] if kept is not None else None
+            key = keys.of(text, kept_row)
             stored = existing.get(row_id)
+            if stored is not None and kept_row is not None and stored != key and stored == keys.legacy(text, kept_row):
+                key = stored
+            source[row_id] = key
             if stored == key:
                 report.unchanged += 1
                 continue
@@ -391,10 +424,24 @@ def _select(chunks: Iterator[Chunk], options: IndexOptions, report: IndexReport,
                 report.added += 1
             else:
                 report.updated += 1
+            if stored is not None and keys.same_vector(stored, key):
+                report.kept_only += 1
+                restamped.append(row)
+                restamped_keys.append(key)
+                continue
             rows.append(row)
             row_keys.append(key)
+        if restamped:
+            restamps.append(_restamp(chunk, restamped, restamped_keys))
         if rows:
             yield _Selection(chunk, rows, row_keys)
+
+
+def _restamp(chunk: Chunk, rows: list[int], keys: list[str]) -> pa.Table:
+    """The id, new content key and kept columns of a chunk's rows whose kept columns alone changed."""
+    new = chunk.kept.take(rows)
+    return new.add_column(0, "id", pa.array([chunk.ids[row] for row in rows], pa.string())) \
+        .add_column(1, CONTENT_KEY, pa.array(keys, pa.string()))
 
 
 def _kept_rows(kept: pa.Table) -> list[dict]:
@@ -501,7 +548,7 @@ def _assemble(results: Iterable[tuple], report: IndexReport, progress: Progress 
                 yield _record_batch(item, vector_type)
         embedded += len(tags)
         if progress is not None:
-            progress(embedded + report.unchanged + report.skipped, report.tokens, total_rows)
+            progress(embedded + report.kept_only + report.unchanged + report.skipped, report.tokens, total_rows)
 
 
 def _record_batch(item: _Tokenized, vector_type: pa.DataType) -> pa.RecordBatch:
@@ -513,7 +560,7 @@ def _record_batch(item: _Tokenized, vector_type: pa.DataType) -> pa.RecordBatch:
         "vector": pa.FixedSizeListArray.from_arrays(pa.array(item.vectors.reshape(-1)).cast(vector_type), dim),
         "n_tokens": pa.array([len(ids) for ids in item.ids], pa.int32()),
         "truncated": pa.array(item.truncated, pa.bool_()),
-        "content_key": pa.array(item.keys, pa.string()),
+        CONTENT_KEY: pa.array(item.keys, pa.string()),
     }
     if chunk.kept is not None:
         kept = chunk.kept.take(rows)

@@ -5,8 +5,9 @@ with this run's settings and columns; with rebuild it builds a replacement besid
 maps the ids the store holds to their content keys. write() takes record batches and commits them in
 groups of commit_rows rows, each group atomically: a Lance version (merge_insert by id when the group
 holds ids the table already has), or a Parquet part written under a temporary name and renamed into
-place. finish() commits the rest, removes rows that the run superseded, emptied or pruned and, for a rebuild,
-swaps the replacement in. abort() drops what is not committed. Committed groups stay through a failure
+place. finish() commits the rest, gives stored rows whose kept columns alone changed their new kept values and
+content keys (restamps: their vectors stay), removes rows that the run superseded, emptied or pruned and, for a
+rebuild, swaps the replacement in. abort() drops what is not committed. Committed groups stay through a failure
 or a kill: that partial output is what lets the next run resume, and it is the one state in which an
 output holds part of a run.
 
@@ -122,9 +123,44 @@ class VectorStore(Protocol):
 
     def write(self, batch: pa.RecordBatch) -> None: ...
 
-    def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset()) -> int: ...
+    def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset(),
+               restamps: Sequence[pa.Table] = ()) -> int: ...
 
     def abort(self) -> None: ...
+
+
+class Restamps:
+    """Stored rows to give new kept columns and content keys, their vectors kept: tables of id, content_key and
+    the kept columns, by id."""
+
+    def __init__(self, tables: Sequence[pa.Table]) -> None:
+        self.table = pa.concat_tables(tables) if tables else None
+        ids = self.table.column("id").to_pylist() if self.table is not None else []
+        self._rows = {row_id: row for row, row_id in enumerate(ids)}
+
+    def __bool__(self) -> bool:
+        return bool(self._rows)
+
+    def keys(self, ids: list[str], keys: list[str]) -> list[str]:
+        """Stored rows' content keys as they will be."""
+        column = self.table.column(CONTENT_KEY) if self.table is not None else None
+        return [key if (row := self._rows.get(row_id)) is None else column[row].as_py() for row_id, key in zip(ids, keys)]
+
+    def apply(self, stored: pa.Table) -> pa.Table:
+        """stored (rows of the output, every column) with the restamped rows' new values, in its order."""
+        places = [self._rows.get(row_id) for row_id in stored.column("id").to_pylist()]
+        if all(place is None for place in places):
+            return stored
+        # Each changed column: the stored values followed by the new ones, then one take puts each row's in place.
+        picks = pa.array([stored.num_rows + place if place is not None else row for row, place in enumerate(places)])
+        columns = []
+        for field in stored.schema:
+            column = stored.column(field.name)
+            if field.name != "id" and field.name in self.table.column_names:
+                new = self.table.column(field.name).cast(field.type)  # a map's entries as the file names them
+                column = pa.chunked_array(column.chunks + new.chunks, field.type).take(picks)
+            columns.append(column)
+        return pa.Table.from_arrays(columns, schema=stored.schema)
 
 
 def open_store(out: str, schema: pa.Schema, table: str | None = None, rebuild: bool = False,
@@ -421,12 +457,18 @@ class _LanceStore:
                 self._table.add(group)
         self.committed_rows += group.num_rows
 
-    def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset()) -> int:
+    def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset(),
+               restamps: Sequence[pa.Table] = ()) -> int:
         replace = self._target != self._name
         if (group := self._groups.take()) is not None:
             self._commit(group)
         elif self._table is None:  # an empty source still makes an (empty) table
             self._commit(self._schema.empty_table())
+        if (restamped := Restamps(restamps).table) is not None:
+            # The columns given, by id, in one commit: Lance leaves the others, the vector among them, as they are.
+            subset = pa.schema([self._schema.field(name) for name in restamped.column_names])
+            with _io_errors(self._shown):
+                self._table.merge_insert("id").when_matched_update_all().execute(restamped.cast(subset))
         doomed = self.existing.keys() if prune or replace else self.existing.keys() & emptied
         gone = sorted(doomed - source.keys())
         with _io_errors(self._shown):
@@ -503,20 +545,25 @@ class _ParquetDirStore:
         self._next += 1
         self.committed_rows += group.num_rows
 
-    def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset()) -> int:
+    def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset(),
+               restamps: Sequence[pa.Table] = ()) -> int:
         replace = self._path != self._root
         if (group := self._groups.take()) is not None:
             self._commit(group)
         survivors = _Survivors(source, prune or replace, emptied)
+        restamped = Restamps(restamps)
         with _io_errors(self._shown):
             self._fs.makedirs(self._path, exist_ok=True)
             for part in reversed(self._parts(self._path)):
                 stored = pq.read_table(part, columns=["id", CONTENT_KEY], filesystem=self._fs)
-                stays = survivors.mask(stored.column("id").to_pylist(), stored.column(CONTENT_KEY).to_pylist())
+                ids = stored.column("id").to_pylist()
+                keys = restamped.keys(ids, stored.column(CONTENT_KEY).to_pylist())
+                stays = survivors.mask(ids, keys)
                 if not any(stays):
                     self._fs.rm(part)
-                elif not all(stays):
-                    _replace(self._fs, part, pq.read_table(part, filesystem=self._fs).filter(pa.array(stays)))
+                elif not all(stays) or keys != stored.column(CONTENT_KEY).to_pylist():
+                    whole = restamped.apply(pq.read_table(part, filesystem=self._fs))
+                    _replace(self._fs, part, whole.filter(pa.array(stays)))
             if replace:
                 self._swap_in()
         return len(self.replaced - source.keys()) if replace else len(survivors.deleted)
@@ -581,13 +628,15 @@ class _ParquetFileStore:
             self._sink.write(batch)
         self._written.append(batch.select(["id", CONTENT_KEY]))
 
-    def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset()) -> int:
+    def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset(),
+               restamps: Sequence[pa.Table] = ()) -> int:
         survivors = _Survivors(source, prune, emptied)
+        restamped = Restamps(restamps)
         if self._stored[0]:  # old rows to sort out; the new rows come first and stay
             for batch in self._written:
                 survivors.mask(batch.column("id").to_pylist(), batch.column(CONTENT_KEY).to_pylist())
-        stays = survivors.mask(*self._stored)
-        if self._old and not self._written and all(stays):  # nothing to change: leave the file as it is
+        stays = survivors.mask(self._stored[0], restamped.keys(*self._stored))
+        if self._old and not self._written and not restamped and all(stays):  # nothing to change: leave the file
             self.abort()
             return 0
         with _io_errors(self._shown):
@@ -595,7 +644,9 @@ class _ParquetFileStore:
                 with self._fs.open(self._path, "rb") as handle:
                     start = 0
                     for batch in pq.ParquetFile(handle).iter_batches():
-                        self._sink.write(batch.filter(pa.array(stays[start:start + batch.num_rows])))
+                        whole = restamped.apply(pa.Table.from_batches([batch]))
+                        for part in whole.filter(pa.array(stays[start:start + batch.num_rows])).to_batches():
+                            self._sink.write(part)
                         start += batch.num_rows
             self._sink.close()
             self._fs.mv(self._tmp, self._path)

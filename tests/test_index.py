@@ -25,6 +25,7 @@ import torch
 
 import embedctl
 from engine import Engine, EngineConfig, UserError
+from pipelines import index as index_module
 from pipelines import writers
 from pipelines.index import IndexModel, IndexOptions, IndexReport, lock_output, open_corpus, run_index
 from pipelines.progress import plural
@@ -505,6 +506,60 @@ def test_a_kept_nanosecond_timestamp_is_written_as_it_is_and_a_rerun_changes_not
     assert index(engine, tmp_path / "ts.parquet", f"{tmp_path}/{out}", keep=("at",)).added == 3
     assert read_output(f"{tmp_path}/{out}").column("at").cast(pa.int64()).to_pylist() == stamps.cast(pa.int64()).to_pylist()
     assert index(engine, tmp_path / "ts.parquet", f"{tmp_path}/{out}", keep=("at",)).unchanged == 3
+
+
+def sorted_rows(out: str) -> list[dict]:
+    return sorted(read_output(out).to_pylist(), key=lambda row: row["id"])
+
+
+@pytest.mark.parametrize("out", OUTPUTS)
+def test_rows_whose_kept_columns_alone_changed_keep_their_vectors_and_take_the_new_values(
+        tmp_path: Path, engine: Engine, out: str) -> None:
+    """A cron job over a corpus whose metadata moves: those rows are not embedded again."""
+    rows = [{"id": f"d{i}", "text": f"Document number {i}.", "tag": f"t{i}", "n": i} for i in range(30)]
+    write_jsonl(tmp_path / "docs.jsonl", rows)
+    target, keep = f"{tmp_path}/{out}", ("tag", "n")
+    assert index(engine, tmp_path / "docs.jsonl", target, keep=keep).added == 30
+    before = {row["id"]: row for row in sorted_rows(target)}
+    for row in rows[:10]:
+        row["tag"] += "-new"  # kept columns only
+    for row in rows[10:16]:
+        row["text"] += " Edited."  # the text (row 15: both)
+    rows[15]["n"] = -1
+    write_jsonl(tmp_path / "docs.jsonl", rows)
+    report = index(engine, tmp_path / "docs.jsonl", target, keep=keep)
+    assert (report.updated, report.kept_only, report.rows_written, report.unchanged) == (16, 10, 6, 14)
+    assert report.summary().startswith("30 rows: 0 added, 16 updated (10 in kept columns only), 14 unchanged")
+    after = sorted_rows(target)
+    write_jsonl(tmp_path / "fresh.jsonl", rows)
+    fresh = index(engine, tmp_path / "fresh.jsonl", f"{tmp_path}/fresh.parquet", keep=keep)
+    assert fresh.added == 30
+    for row, expected in zip(after, sorted_rows(f"{tmp_path}/fresh.parquet"), strict=True):
+        assert {k: v for k, v in row.items() if k != "vector"} == {k: v for k, v in expected.items() if k != "vector"}
+        np.testing.assert_allclose(row["vector"], expected["vector"], atol=1e-6)
+        if int(row["id"][1:]) < 10:
+            assert row["vector"] == before[row["id"]]["vector"]  # the stored vector, not a new one
+    report = index(engine, tmp_path / "docs.jsonl", target, keep=keep)
+    assert (report.unchanged, report.updated) == (30, 0)
+
+
+def test_an_output_keyed_before_keys_had_two_parts_is_not_embedded_again(
+        tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its keys hash the text and the kept columns together: an unchanged row stays unchanged, a changed one
+    (whose change the key cannot tell apart) is embedded again and gets a key of two parts."""
+    rows = [{"id": f"d{i}", "text": f"Document number {i}.", "tag": f"t{i}"} for i in range(5)]
+    write_jsonl(tmp_path / "docs.jsonl", rows)
+    target = f"{tmp_path}/x.lance"
+    with monkeypatch.context() as patch:
+        patch.setattr(index_module._ContentKeys, "of", lambda self, text, kept: self.legacy(text, kept))
+        assert index(engine, tmp_path / "docs.jsonl", target, keep=("tag",)).added == 5
+    assert all(len(row["content_key"]) == 32 for row in sorted_rows(target))
+    assert index(engine, tmp_path / "docs.jsonl", target, keep=("tag",)).unchanged == 5
+    rows[0]["tag"] = "new"
+    write_jsonl(tmp_path / "docs.jsonl", rows)
+    report = index(engine, tmp_path / "docs.jsonl", target, keep=("tag",))
+    assert (report.updated, report.kept_only, report.rows_written, report.unchanged) == (1, 0, 1, 4)
+    assert [len(row["content_key"]) for row in sorted_rows(target)] == [49, 32, 32, 32, 32]
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])

@@ -57,6 +57,7 @@ import difflib
 import functools
 import importlib.metadata
 import logging
+import logging.config
 import os
 import secrets
 import socket
@@ -615,9 +616,12 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
         reason = getattr(error, "strerror", None) or str(error)
         raise UserError(f"cannot listen on {options.host}:{options.port} ({reason}); "
                         "pick another --port or --host") from None
+    _configure_uvicorn_logging()
     server_log = logging.getLogger("uvicorn.error")  # where uvicorn's own start-up lines go
-    if config.warmup and config.cuda_graphs and config.torch_device().type == "cuda":
-        server_log.info("loading the model and capturing its CUDA graphs before answering (--no-warmup starts sooner)")
+    capture = config.warmup and config.cuda_graphs and config.torch_device().type == "cuda"
+    shown_host = f"[{options.host}]" if ":" in options.host else options.host  # an IPv6 address, as a URL writes it
+    server_log.info("%s:%d is held; loading the model%s; it listens once that is done", shown_host,
+                    sock.getsockname()[1], " and capturing its CUDA graphs (--no-warmup starts sooner)" if capture else "")
     engine = Engine.load(model, replace(config, normalize=False))
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
     app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize, options.tokenizer_processes,
@@ -625,7 +629,6 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
     server = uvicorn.Server(uvicorn.Config(with_cors(app, options.cors_allow_origins), access_log=options.access_log,
                                            timeout_graceful_shutdown=DRAIN_SECONDS, use_colors=log_colors(),
                                            http=LimitedHttpToolsProtocol))
-    shown_host = f"[{options.host}]" if ":" in options.host else options.host  # an IPv6 address, as a URL writes it
     server_log.info("embedctl serve: %s on %s, dim %d, max length %d, at http://%s:%d (docs at /docs)",
                     engine.files.name, engine.device, engine.dim, engine.max_length, shown_host, sock.getsockname()[1])
     if engine.stats.captures:
@@ -646,6 +649,14 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
         # A second Ctrl-C quits without the app's shutdown; its scheduler thread, still inside a step, and
         # its workers then met the interpreter's exit and aborted the process (SIGABRT).
         app.close()
+
+
+def _configure_uvicorn_logging() -> None:
+    """uvicorn's log set-up, which uvicorn.Config makes only once the app exists: the lines written while the
+    model loads need it to show at all."""
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["formatters"]["default"]["use_colors"] = log_colors()
+    logging.config.dictConfig(log_config)
 
 
 def log_colors() -> bool | None:

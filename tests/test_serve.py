@@ -953,6 +953,7 @@ def test_the_port_refuses_connections_until_the_model_is_loaded(minilm_dir: Path
                                     str(minilm_dir), "--port", str(port)], env=SERVER_ENV, stdout=sink,
                                    stderr=subprocess.STDOUT)
     try:
+        _wait_until_held(process, log, port)
         accepted_while_loading, refused_while_taken = 0, 0
         deadline = time.monotonic() + 180
         while "at http://" not in log.read_text() and time.monotonic() < deadline:  # logged just before it serves
@@ -981,25 +982,25 @@ def test_the_port_refuses_connections_until_the_model_is_loaded(minilm_dir: Path
         process.wait(60)
 
 
-def test_a_server_that_listens_first_on_a_port_both_bound_leaves_the_other_one_error_line(minilm_dir: Path) -> None:
+def test_a_server_that_listens_first_on_a_port_both_bound_leaves_the_other_one_error_line(minilm_dir: Path,
+                                                                                          tmp_path: Path) -> None:
     """Two servers started at once both bind the port (SO_REUSEADDR lets sockets that do not listen yet share it):
     the one that loses the race to listen must fail, not run on without a socket."""
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", "serve", "--device", "cpu", "--model",
-                                str(minilm_dir), "--port", str(port)], env=SERVER_ENV, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    port, log = free_port(), tmp_path / "server.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "embedctl.cli", "serve", "--device", "cpu", "--model",
+                                    str(minilm_dir), "--port", str(port)], env=SERVER_ENV, stdout=sink,
+                                   stderr=subprocess.STDOUT)
     with socket.socket() as first:
-        deadline = time.monotonic() + 120
-        while not _bound(port):  # the server has bound the port and is loading its model
-            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-            time.sleep(0.01)
+        _wait_until_held(process, log, port)
         first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         first.bind(("127.0.0.1", port))
         first.listen()
-        _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 2, stderr
-    assert stderr.strip().splitlines()[-1].startswith(f"error: cannot listen on 127.0.0.1:{port} (Address already in "
-                                                      "use): another server took it while the model loaded"), stderr
+        process.wait(120)
+    assert process.returncode == 2, log.read_text()
+    assert log.read_text().strip().splitlines()[-1].startswith(
+        f"error: cannot listen on 127.0.0.1:{port} (Address already in use): another server took it while the model "
+        "loaded"), log.read_text()
 
 
 def test_every_serve_option_can_come_from_the_environment(minilm_dir: Path, tmp_path: Path) -> None:
@@ -1023,6 +1024,16 @@ def test_every_serve_option_can_come_from_the_environment(minilm_dir: Path, tmp_
     finally:
         process.terminate()
         process.wait(60)
+
+
+def _wait_until_held(process: subprocess.Popen, log: Path, port: int) -> None:
+    """Until the server says it holds the port and loads its model (a probe of the port before that could take
+    it from the server for an instant: a bind that fails the server's)."""
+    deadline = time.monotonic() + 120
+    while f"127.0.0.1:{port} is held; loading the model" not in log.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)
+    assert _bound(port)
 
 
 def _bound(port: int) -> bool:

@@ -99,7 +99,7 @@ class IndexReport:
     model: str
     device: str | None = None  # None: nothing needed embedding, so no engine was loaded
     rows_read: int = 0
-    rows_written: int = 0  # embedded: added + updated
+    rows_written: int = 0  # embedded: added + updated - kept_only
     rows_committed: int = 0  # in the output (a rebuild: in its stage); of a stopped run, what the next run keeps
     added: int = 0
     updated: int = 0
@@ -420,10 +420,9 @@ def _select(chunks: Iterator[Chunk], options: IndexOptions, report: IndexReport,
             if stored == key:
                 report.unchanged += 1
                 continue
-            if stored is None and row_id not in store.replaced:
-                report.added += 1
-            else:
-                report.updated += 1
+            replaces = row_id in store.replaced if options.rebuild else stored is not None
+            report.updated += replaces
+            report.added += not replaces
             if stored is not None and keys.same_vector(stored, key):
                 report.kept_only += 1
                 restamped.append(row)

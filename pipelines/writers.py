@@ -134,12 +134,16 @@ class Restamps:
     the kept columns, by id."""
 
     def __init__(self, tables: Sequence[pa.Table]) -> None:
-        self.table = pa.concat_tables(tables) if tables else None
+        # One chunk per column: a dictionary column's chunks are unified once here, not again for every part
+        self.table = pa.concat_tables(tables).combine_chunks() if tables else None
         ids = self.table.column("id").to_pylist() if self.table is not None else []
         self._rows = {row_id: row for row, row_id in enumerate(ids)}
 
     def __bool__(self) -> bool:
         return bool(self._rows)
+
+    def ids(self) -> list[str]:
+        return list(self._rows)
 
     def keys(self, ids: list[str], keys: list[str]) -> list[str]:
         """Stored rows' content keys as they will be."""
@@ -149,27 +153,39 @@ class Restamps:
     def apply(self, stored: pa.Table) -> pa.Table:
         """stored (rows of the output, every column) with the restamped rows' new values, in its order."""
         places = [self._rows.get(row_id) for row_id in stored.column("id").to_pylist()]
-        if all(place is None for place in places):
+        restamped = [row for row, place in enumerate(places) if place is not None]
+        if not restamped:
             return stored
-        # Each changed column: the stored values followed by the new ones, then one take puts each row's in place.
-        picks = pa.array([stored.num_rows + place if place is not None else row for row, place in enumerate(places)])
+        fresh = self.table.take([places[row] for row in restamped])
+        # Each changed column: the stored values followed by these rows' new ones, then one take puts each in place.
+        picks = list(range(stored.num_rows))
+        for order, row in enumerate(restamped):
+            picks[row] = stored.num_rows + order
         columns = []
         for field in stored.schema:
             column = stored.column(field.name)
-            if field.name != "id" and field.name in self.table.column_names:
-                new = self.table.column(field.name).cast(field.type)  # a map's entries as the file names them
+            if field.name != "id" and field.name in fresh.column_names:
+                new = _as_stored(fresh.column(field.name), field.type)
                 column = pa.chunked_array(column.chunks + new.chunks, field.type).take(picks)
             columns.append(column)
         return pa.Table.from_arrays(columns, schema=stored.schema)
+
+
+def _as_stored(values: pa.ChunkedArray, stored_type: pa.DataType) -> pa.ChunkedArray:
+    """values in the type the output stores: a map's entries as the file names them, and a dictionary over these
+    values alone (a take keeps the whole run's dictionary, which each rewritten part would then carry)."""
+    if pa.types.is_dictionary(stored_type):
+        return values.cast(stored_type.value_type).dictionary_encode().cast(stored_type)
+    return values.cast(stored_type)
 
 
 def open_store(out: str, schema: pa.Schema, table: str | None = None, rebuild: bool = False,
                commit_rows: int = 10_000) -> VectorStore:
     """A store for out; raises UserError, before changing anything, if out cannot take this schema.
 
-    finish(source, prune, emptied) takes the id -> content_key of every row of the run's source and the
-    ids the source lists with an empty text, and returns how many ids it deleted: those of emptied, and
-    with prune all that are not in source.
+    finish(source, prune, emptied, restamps) takes the id -> content_key of every row of the run's source, the
+    ids the source lists with an empty text and the Restamps tables, and returns how many ids it deleted: those
+    of emptied, and with prune all that are not in source.
     """
     check_commit_rows(commit_rows)
     if (lance := lance_table(out, table)) is not None:
@@ -319,18 +335,18 @@ class _Groups:
     """Batches gathered, and split where needed, into groups of commit_rows rows."""
 
     def __init__(self, schema: pa.Schema, commit_rows: int) -> None:
-        self._schema, self._commit_rows = schema, commit_rows
+        self._schema, self.commit_rows = schema, commit_rows
         self._batches: list[pa.RecordBatch] = []
         self._rows = 0
 
     def add(self, batch: pa.RecordBatch) -> Iterator[pa.Table]:
         """Keep batch; yield each group it completes."""
         _check_batch(batch, self._schema)
-        while self._rows + batch.num_rows >= self._commit_rows:
-            room = self._commit_rows - self._rows
+        while self._rows + batch.num_rows >= self.commit_rows:
+            room = self.commit_rows - self._rows
             self._batches.append(batch.slice(0, room))
             batch = batch.slice(room)
-            self._rows = self._commit_rows
+            self._rows = self.commit_rows
             yield self.take()
         if batch.num_rows:
             self._batches.append(batch)
@@ -464,17 +480,12 @@ class _LanceStore:
             self._commit(group)
         elif self._table is None:  # an empty source still makes an (empty) table
             self._commit(self._schema.empty_table())
-        if (restamped := Restamps(restamps).table) is not None:
-            # The columns given, by id, in one commit: Lance leaves the others, the vector among them, as they are.
-            subset = pa.schema([self._schema.field(name) for name in restamped.column_names])
-            with _io_errors(self._shown):
-                self._table.merge_insert("id").when_matched_update_all().execute(restamped.cast(subset))
+        self._restamp(Restamps(restamps))
         doomed = self.existing.keys() if prune or replace else self.existing.keys() & emptied
         gone = sorted(doomed - source.keys())
         with _io_errors(self._shown):
             for start in range(0, len(gone), _DELETE_IDS):
-                quoted = ", ".join("'" + row_id.replace("'", "''") + "'" for row_id in gone[start:start + _DELETE_IDS])
-                self._table.delete(f"id IN ({quoted})")
+                self._table.delete(_id_in(gone[start:start + _DELETE_IDS]))
             if replace:
                 # Overwritten, the table loses the indexes built on it (LanceDB keeps no recipe to rebuild an ANN
                 # index by): named in the summary, rather than left for slow queries to reveal.
@@ -486,8 +497,28 @@ class _LanceStore:
                 self._db.drop_table(self._target)
         return len(self.replaced - source.keys()) if replace else len(gone)
 
+    def _restamp(self, restamps: Restamps) -> None:
+        """Whole rows, their stored vectors in them, upserted as re-embedded rows are: a merge of the changed
+        columns alone rewrites them in place, which takes every fragment it touches out of the table's indexes."""
+        ids = restamps.ids()
+        groups = _Groups(self._schema, self._groups.commit_rows)
+        with _io_errors(self._shown):
+            for start in range(0, len(ids), _DELETE_IDS):
+                stored = self._table.to_lance().to_table(filter=_id_in(ids[start:start + _DELETE_IDS]))
+                for batch in restamps.apply(stored.cast(self._schema)).to_batches():
+                    for group in groups.add(batch):
+                        self._commit(group)
+            if (group := groups.take()) is not None:
+                self._commit(group)
+
     def abort(self) -> None:
         self._groups.take()
+
+
+def _id_in(ids: Sequence[str]) -> str:
+    """A Lance predicate for rows with these ids."""
+    quoted = ", ".join("'" + row_id.replace("'", "''") + "'" for row_id in ids)
+    return f"id IN ({quoted})"
 
 
 class _ParquetDirStore:

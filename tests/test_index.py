@@ -449,6 +449,22 @@ def test_a_failure_keeps_the_committed_groups_and_a_rerun_resumes_after_them(
     assert sorted(read_output(f"{tmp_path}/{out}").column("id").to_pylist()) == sorted(row["id"] for row in GOOD)
 
 
+@pytest.mark.parametrize("out", ["x.lance", "dir/"])
+def test_a_resumed_rebuild_counts_against_the_output_it_replaces(tmp_path: Path, engine: Engine, bad_source: Path,
+                                                                out: str) -> None:
+    """A row the stopped run staged and this one embeds again (its text changed meanwhile) is added, not updated,
+    when the output being replaced never held its id."""
+    existing_output(engine, tmp_path, out)
+    options = IndexOptions(source=str(bad_source), out=f"{tmp_path}/{out}", chunk_rows=7, commit_rows=50,
+                           rebuild=True)
+    with pytest.raises(UserError, match="bad.jsonl line 301"):
+        run_index(IndexModel.loaded(engine), options)
+    write_jsonl(bad_source, [{"id": "g0", "text": "Edited."}, *GOOD[1:]])
+    report = run_index(IndexModel.loaded(engine), options)
+    assert (report.updated, report.added + report.unchanged, report.deleted) == (0, len(GOOD), 1)
+    assert sorted(read_output(f"{tmp_path}/{out}").column("id").to_pylist()) == sorted(row["id"] for row in GOOD)
+
+
 def test_other_settings_are_refused(tmp_path: Path, engine: Engine) -> None:
     existing = existing_output(engine, tmp_path, "x.lance")
     other = Engine.load(None, EngineConfig(normalize=False))
@@ -541,6 +557,22 @@ def test_rows_whose_kept_columns_alone_changed_keep_their_vectors_and_take_the_n
             assert row["vector"] == before[row["id"]]["vector"]  # the stored vector, not a new one
     report = index(engine, tmp_path / "docs.jsonl", target, keep=keep)
     assert (report.unchanged, report.updated) == (30, 0)
+
+
+def test_rows_whose_kept_columns_alone_changed_stay_in_the_lance_tables_indexes(tmp_path: Path,
+                                                                               engine: Engine) -> None:
+    """Only those rows leave the index on id (as re-embedded rows do), not every fragment they sit in."""
+    rows = [{"id": f"d{i}", "text": f"Document number {i}.", "tag": f"t{i}"} for i in range(40)]
+    write_jsonl(tmp_path / "docs.jsonl", rows)
+    assert index(engine, tmp_path / "docs.jsonl", f"{tmp_path}/x.lance", keep=("tag",)).added == 40
+    lancedb.connect(tmp_path).open_table("x").create_scalar_index("id")
+    rows[3]["tag"] = "new"
+    write_jsonl(tmp_path / "docs.jsonl", rows)
+    assert index(engine, tmp_path / "docs.jsonl", f"{tmp_path}/x.lance", keep=("tag",)).kept_only == 1
+    table = lancedb.connect(tmp_path).open_table("x")
+    stats = table.index_stats("id_idx")
+    assert (stats.num_indexed_rows, stats.num_unindexed_rows) == (39, 1)
+    assert table.search().where("id = 'd3'").to_arrow().column("tag").to_pylist() == ["new"]
 
 
 def test_an_output_keyed_before_keys_had_two_parts_is_not_embedded_again(

@@ -429,3 +429,18 @@ def test_kept_empty_objects_are_refused_before_any_output_is_touched(kept):
                                         r"cannot store, nor LanceDB inside a list; drop it from --keep, or give those "
                                         r"objects a key$"):
         schema(kept=pa.schema([("v", kept)]))
+
+
+def test_restamped_dictionary_values_reach_only_the_parts_that_hold_their_rows():
+    """A rewritten part's dictionary holds its own values, not every restamped row's of the run."""
+    tag = pa.dictionary(pa.int32(), pa.string())
+    restamps = writers.Restamps([pa.table({"id": [f"r{i}" for i in range(start, start + 50)],
+                                           "content_key": ["new"] * 50,
+                                           "tag": pa.array([f"t{i}" for i in range(start, start + 50)], tag)})
+                                 for start in (0, 50)])
+    part = pa.table({"id": ["r7", "s1", "r99"], "content_key": ["old"] * 3, "tag": pa.array(["a", "b", "c"], tag)})
+    restamped = restamps.apply(part)
+    assert restamped.schema == part.schema
+    assert restamped.to_pydict() == {"id": ["r7", "s1", "r99"], "content_key": ["new", "old", "new"],
+                                     "tag": ["t7", "b", "t99"]}
+    assert set(restamped.column("tag").combine_chunks().dictionary.to_pylist()) <= {"a", "b", "c", "t7", "t99"}

@@ -13,6 +13,7 @@ It is not a tokenizer (texts come out as they are, None for null) and it does no
 from __future__ import annotations
 
 import codecs
+import contextlib
 import fnmatch
 import json
 import math
@@ -105,8 +106,8 @@ class CorpusReader:
         # checked, below; a JSONL file's on its first line): an --id-col misspelt would number every row.
         self.numbered: list[str] = []
         parquet = [f for f in self._files if _is_parquet(f.path)]
-        own_columns = {f.path: self._check_parquet(f) for f in parquet}  # the kept columns each file holds itself
-        text_keys = {field.name for schema in own_columns.values() for field in schema if _is_text(field.type)}
+        own_schemas = {f.path: self._check_parquet(f) for f in parquet}  # the kept columns each file holds itself
+        text_keys = {field.name for schema in own_schemas.values() for field in schema if _is_text(field.type)}
         if self.keep:
             for f in self._files:
                 if not _is_parquet(f.path):
@@ -114,7 +115,7 @@ class CorpusReader:
         self._partition_types = _partitioned(self._files, self.keep, text_keys)
         if self.keep:
             for f in parquet:
-                own = own_columns[f.path]
+                own = own_schemas[f.path]
                 kept = pa.schema([own.field(c) if c in own.names else pa.field(c, self._partition_types[c])
                                   for c in self.keep])
                 unified = _unify(f, self._kept_schema, kept)
@@ -122,16 +123,20 @@ class CorpusReader:
                     if self._kept_schema is None or self._kept_schema.field(field.name).type != field.type:
                         self._kept_origins[field.name] = f.shown
                 self._kept_schema = unified
-        self._own_columns = {name for schema in own_columns.values() for name in schema.names}
+            if self._kept_schema is not None:  # a key only null folders give: text, as JSONL's null keys become
+                self._kept_schema = pa.schema([field.with_type(pa.string()) if pa.types.is_null(field.type) else field
+                                               for field in self._kept_schema])
+        self._own_columns = {name for schema in own_schemas.values() for name in schema.names}
         self.total_rows: int | None = None
         if len(parquet) == len(self._files):
             self.total_rows = sum(f.rows for f in parquet)
 
     def follow(self, stored: pa.Schema, origin: str) -> None:
         """Keep the columns of an output this run updates (stored, holding the same names as keep) in its order,
-        and for a JSONL corpus in its types: --keep b --keep a then matches a table made with --keep a --keep b,
-        and a key null throughout the first chunk keeps the type stored rather than becoming text. origin names
-        the output in the message for a value that does not fit."""
+        and in its types where no Parquet file's own column gives one (a JSONL corpus, a key only folders give):
+        --keep b --keep a then matches a table made with --keep a --keep b, a key null throughout the first chunk
+        keeps the type stored rather than becoming text, and year=2024 stays text in an output that stored
+        year=unknown. origin names the output in the message for a value that does not fit."""
         self.keep, self._followed = stored.names, origin
         if self._kept_schema is not None:  # typed by the Parquet files' own schemas, but for keys only folders give
             self._kept_schema = pa.schema([self._kept_schema.field(name) if name in self._own_columns
@@ -315,7 +320,7 @@ class CorpusReader:
             if not missing:
                 return text_keys
             keys.update(dict.fromkeys(row))
-        if keys and missing:  # a file without rows gives no column at all
+        if keys:  # a file without rows gives no column at all
             raise UserError(
                 f"{f.shown}: no line has the --keep key '{missing[0]}' (its keys: {', '.join(keys)}), nor a folder "
                 f"{missing[0]}=VALUE; check its spelling or drop it from --keep{self._source_folder_hint(missing[0])}"
@@ -331,27 +336,26 @@ class CorpusReader:
                                 "give the key in every line of the file, or in none")
 
     def _source_folder_hint(self, key: str) -> str:
-        """For a key no file has: where SOURCE itself names a folder key=VALUE, that only folders below SOURCE count."""
-        if (spelled := re.search(rf"(^|/){re.escape(key)}=[^/]*", self.source)) is None:
+        """For a key no file has: where SOURCE itself names a folder key=VALUE, that only folders below SOURCE count,
+        and the glob that reads the same files with that folder below its base (a bracket is a wildcard)."""
+        if (spelled := re.search(rf"(^|/){re.escape(key)}=", self.source)) is None:
             return ""
-        glob = f"{self.source[:spelled.start()]}{spelled.group(1)}{key}=*{self.source[spelled.end():]}"
-        return f" (a folder {key}=VALUE counts only below SOURCE: give a glob such as '{glob}')"
+        glob = f"{self.source[:spelled.start()]}{spelled.group(1)}[{key[0]}]{key[1:]}={self.source[spelled.end():]}"
+        return f" (a folder {key}=VALUE counts only below SOURCE: give a glob that spells it, '{glob}')"
 
     def _folder_column(self, f: _File, name: str, rows: int, kind: pa.DataType) -> pa.Array:
         """The value of a key that f takes from its folder, `rows` times, as kind; UserError where kind cannot hold
         it (year=unknown where an output stored whole numbers)."""
         value = f.partitions[name]
         column = pa.repeat(pa.scalar(value, pa.string()), rows)
-        try:
-            if value is not None and pa.types.is_integer(kind) and not _WHOLE.fullmatch(value):
-                raise pa.ArrowInvalid("not a whole number")
-            return column.cast(kind)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            origin = self._kept_origins.get(name, self._typed_by)
-            fix = ("pass --rebuild to store the column anew" if origin == self._followed
-                   else "give the folders and files one type of value")
-            raise UserError(f"{f.shown}: its folder {name}={value} does not fit the type {kind} that '{name}' has in "
-                            f"{origin}; {fix}, or leave '{name}' out of --keep") from None
+        if value is None or not pa.types.is_integer(kind) or _WHOLE.fullmatch(value):  # Arrow casts "007" to 7
+            with contextlib.suppress(pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                return column.cast(kind)
+        origin = self._kept_origins.get(name, self._typed_by)
+        fix = ("pass --rebuild to store the column anew" if origin == self._followed
+               else "give the folders and files one type of value")
+        raise UserError(f"{f.shown}: its folder {name}={value} does not fit the type {kind} that '{name}' has in "
+                        f"{origin}; {fix}, or leave '{name}' out of --keep")
 
     def _jsonl_rows(self, f: _File) -> Iterator[tuple[int, dict]]:
         """Each non-blank line's number and its object, checked by _parse_line."""
@@ -448,7 +452,8 @@ class CorpusReader:
         for name in self.keep:
             known = self._kept_schema.field(name).type if self._kept_schema else None
             if name in f.folder_keys:
-                columns[name] = self._folder_column(f, name, len(rows), known or self._partition_types[name])
+                kind = known or self._partition_types[name]
+                columns[name] = self._folder_column(f, name, len(rows), pa.string() if pa.types.is_null(kind) else kind)
                 continue
             values = [r.get(name) for r in rows]
             if known is not None and _is_text(known):
@@ -549,14 +554,19 @@ def _partitions(rel: str) -> dict[str, str | None]:
 def _partitioned(files: list[_File], keep: list[str], text_keys: set[str]) -> dict[str, pa.DataType]:
     """The type of each --keep key that files take from their folders: int64 where every such folder's value is a
     whole number (year=2024), as pyarrow's datasets infer it, unless a file holds the key as text of its own
-    (text_keys); else string."""
+    (text_keys); null where every such folder is __HIVE_DEFAULT_PARTITION__ (the files' own columns type it);
+    else string."""
     types = {}
     for key in keep:
         values = [f.partitions[key] for f in files if key in f.folder_keys]
         if values:
             known = [value for value in values if value is not None]
-            whole = bool(known) and key not in text_keys and all(_WHOLE.fullmatch(value) for value in known)
-            types[key] = pa.int64() if whole else pa.string()
+            if not known:
+                types[key] = pa.null()
+            elif key not in text_keys and all(_WHOLE.fullmatch(value) for value in known):
+                types[key] = pa.int64()
+            else:
+                types[key] = pa.string()
     return types
 
 
@@ -655,8 +665,9 @@ def _unify(f: _File, known: pa.Schema | None, kept: pa.Schema) -> pa.Schema:
     try:
         return pa.unify_schemas([known, kept], promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        folders = "".join(f", its folder {name}={f.partitions[name]} giving its '{name}'" for name in f.folder_keys)
         raise UserError(
-            f"{f.shown}: a --keep column has a type that earlier files do not share ({short_reason(e)}); "
+            f"{f.shown}: a --keep column has a type that earlier files do not share ({short_reason(e)}{folders}); "
             "make the shards agree or drop that column from --keep"
         ) from None
 

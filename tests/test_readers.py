@@ -595,13 +595,16 @@ def test_a_partition_folder_in_source_itself_is_named_in_the_missing_column_mess
     # as in pyarrow's datasets, only the folders below SOURCE are partitions
     write_parquet(tmp_path / "c" / "lang=en" / "a.parquet", {"text": ["x"]})
     write_jsonl(tmp_path / "d" / "lang=en" / "a.jsonl", [{"text": "x"}])
-    hint = "(a folder lang=VALUE counts only below SOURCE: give a glob such as '{}')"
+    write_parquet(tmp_path / "c" / "lang=fr" / "a.parquet", {"text": ["y"]})
+    hint = "(a folder lang=VALUE counts only below SOURCE: give a glob that spells it, '{}')"
     assert error(path=f"{tmp_path}/c/lang=en", keep=["lang"]).endswith(
-        f"nor a folder lang=VALUE; check its spelling or drop it from --keep {hint.format(f'{tmp_path}/c/lang=*')}")
+        f"nor a folder lang=VALUE; check its spelling or drop it from --keep {hint.format(f'{tmp_path}/c/[l]ang=en')}")
     assert error(path=f"{tmp_path}/d/lang=en/", keep=["lang"]) == (
         f"{tmp_path}/d/lang=en/a.jsonl: no line has the --keep key 'lang' (its keys: text), nor a folder lang=VALUE; "
-        f"check its spelling or drop it from --keep {hint.format(f'{tmp_path}/d/lang=*/')}")
-    assert [c.kept.to_pylist() for c in CorpusReader(f"{tmp_path}/c/lang=*", keep=["lang"])] == [[{"lang": "en"}]]
+        f"check its spelling or drop it from --keep {hint.format(f'{tmp_path}/d/[l]ang=en/')}")
+    # the glob reads what SOURCE read, lang=fr not among it
+    assert [c.kept.to_pylist() for c in CorpusReader(f"{tmp_path}/c/[l]ang=en", keep=["lang"])] == [[{"lang": "en"}]]
+    assert [c.kept.to_pylist() for c in CorpusReader(f"{tmp_path}/d/[l]ang=en/", keep=["lang"])] == [[{"lang": "en"}]]
 
 
 def test_jsonl_kept_key_in_no_line_is_refused_up_front(tmp_path):
@@ -780,3 +783,19 @@ def test_jsonl_kept_key_that_changes_type(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [{"text": "a", "n": 1}, {"text": "b", "n": "two"}])
     message = error(path=str(tmp_path), keep=["n"], chunk_rows=1)
     assert message.startswith(f"{tmp_path}/a.jsonl line 2: --keep key 'n' does not fit the type int64")
+
+
+def test_a_key_whose_folders_are_all_null_takes_the_type_of_the_files_that_hold_it(tmp_path):
+    """__HIVE_DEFAULT_PARTITION__ says nothing of the type: a Parquet file's own int column decides."""
+    write_parquet(tmp_path / "a" / "year=__HIVE_DEFAULT_PARTITION__" / "p.parquet", {"id": ["n"], "text": ["x"]})
+    write_parquet(tmp_path / "a" / "extra.parquet", {"id": ["e"], "text": ["y"], "year": [2024]})
+    reader = CorpusReader(str(tmp_path / "a"), keep=["year"])
+    assert reader.kept_schema.field("year").type == pa.int64()
+    assert {row_id: year for chunk in reader
+            for row_id, year in zip(chunk.ids, chunk.kept.column("year").to_pylist())} == {"n": None, "e": 2024}
+
+
+def test_a_folder_key_typed_apart_from_a_files_column_is_named_in_the_message(tmp_path):
+    write_parquet(tmp_path / "d" / "lang=en" / "a.parquet", {"text": ["x"]})
+    write_parquet(tmp_path / "d" / "b.parquet", {"text": ["y"], "lang": [5]})
+    assert f"its folder lang=en giving its 'lang'); make the shards agree" in error(path=f"{tmp_path}/d", keep=["lang"])

@@ -1,12 +1,14 @@
 """What a person watching `embedctl index` or `embedctl score` sees: rich progress bars on stderr while it runs.
 
 A bar shows items done (of the total when the input knows it), tokens/s (items/s where nothing is
-embedded), elapsed time and the ETA. A run opens one bar per phase (score: ranking, then
+embedded; tokens/s counted from the first embedded batch, so that the model's load, which the run's summary
+also leaves out, does not drag it down), elapsed time and the ETA. A run opens one bar per phase (score: ranking, then
 reranking). Bars are not the run's summary line, which the command prints after they have gone.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -33,6 +35,7 @@ def progress_bars(enabled: bool) -> Iterator[Bars | None]:
 
         def bar(label: str, unit: str) -> PipelineProgress:
             task: TaskID | None = None
+            token_rate = TokenRate()
 
             def update(done: int, tokens: int, total: int | None) -> None:
                 nonlocal task
@@ -41,11 +44,30 @@ def progress_bars(enabled: bool) -> Iterator[Bars | None]:
                         display.stop_task(earlier)
                     task = display.add_task(label, total=None, unit=unit, rate="", eta="")
                 elapsed = next(t for t in display.tasks if t.id == task).elapsed or 0.0
-                rate = "" if not elapsed else (f"{tokens / elapsed:,.0f} tokens/s" if tokens
-                                               else f"{done / elapsed:,.0f} {unit}/s")
+                if tokens:
+                    per_second = token_rate(tokens, time.monotonic())
+                    rate = "" if per_second is None else f"{per_second:,.0f} tokens/s"
+                else:
+                    rate = f"{done / elapsed:,.0f} {unit}/s" if elapsed else ""
                 # Without a total there is no ETA, and TimeRemainingColumn shows nothing: so no label either.
                 display.update(task, completed=done, total=total, rate=rate, eta="ETA" if total else "")
 
             return update
 
         yield bar
+
+
+class TokenRate:
+    """Tokens per second since the first report that counted tokens: the time before it went to loading the model
+    and to the first batch, whose start no report marks."""
+
+    def __init__(self) -> None:
+        self._first: tuple[float, int] | None = None  # (when, tokens) of the first report with tokens
+
+    def __call__(self, tokens: int, now: float) -> float | None:
+        """The rate at now, with tokens counted so far; None until a second report gives it a span."""
+        if self._first is None:
+            self._first = (now, tokens)
+            return None
+        since, counted = self._first
+        return (tokens - counted) / (now - since) if now > since else None

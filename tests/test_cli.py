@@ -33,6 +33,7 @@ from typer.main import get_command
 
 import embedctl
 from embedctl.cli import app
+from embedctl.progress import TokenRate
 from engine.checkpoint import files_digest, resolve_model
 from tests.files import (ENV, assert_one_error_line, good_rows, hears_ctrl_c, read_only, run_cli, run_cli_in_terminal,
                          snapshot, write_jsonl)
@@ -890,3 +891,11 @@ def test_serve_takes_an_empty_prompt_from_the_environment_as_no_prompt(monkeypat
     assert (options[0].doc_prompt, options[0].query_prompt, options[0].port) == ("", "", 0)
     assert CliRunner().invoke(app, ["serve"], env={"EMBEDCTL_QUERY_PROMPT": "query: "}).exit_code == 0
     assert (options[1].doc_prompt, options[1].query_prompt) == (None, "query: ")
+
+
+def test_the_bars_token_rate_leaves_out_the_time_before_the_first_embedded_batch() -> None:
+    """A run that loaded its model for 10 s, then embedded 1,000 tokens a second: the bar says 1,000, not 181."""
+    rate = TokenRate()
+    assert rate(1_000, now=10.0) is None  # the first batch: no span yet
+    assert rate(2_000, now=11.0) == 1_000
+    assert rate(4_000, now=13.0) == 1_000

@@ -105,10 +105,10 @@ class Server:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=120)
 
 
-def start_server(minilm_dir: Path, log: Path, *options: str) -> Server:
+def start_server(minilm_dir: Path, log: Path, *options: str, device: str = "cpu") -> Server:
     """`embedctl serve` in a subprocess, returned once /health says 200."""
     port = free_port()
-    command = [sys.executable, "-m", "embedctl.cli", "serve", "--port", str(port), "--device", "cpu",
+    command = [sys.executable, "-m", "embedctl.cli", "serve", "--port", str(port), "--device", device,
                "--model", str(minilm_dir), *options]
     with log.open("w") as sink:
         process = subprocess.Popen(command, env=SERVER_ENV, stdout=sink, stderr=subprocess.STDOUT)
@@ -1315,6 +1315,25 @@ def test_a_server_on_the_gpu_answers_as_the_cpu_engine_does(minilm_dir: Path, te
         hits = httpx.post(url + "/rerank", json={"query": query, "texts": docs}).json()
     assert sorted(hit["index"] for hit in hits) == list(range(len(docs)))
     np.testing.assert_allclose([hit["score"] for hit in hits], scores[[hit["index"] for hit in hits]], atol=0.01)
+
+
+@pytest.mark.gpu
+def test_the_command_on_the_gpu_says_it_captures_its_graphs_before_it_listens(minilm_dir: Path, texts: list[str],
+                                                                             tmp_path: Path) -> None:
+    """`embedctl serve --device cuda` as a person starts it: the lines that explain the wait, then vectors."""
+    server = start_server(minilm_dir, tmp_path / "server.log", device="cuda")
+    try:
+        with server.client(key=None) as client:
+            reply = client.post("/embed", json={"inputs": texts[:4]})
+        log = server.log.read_text()
+        held = log.index("is held; loading the model and capturing its CUDA graphs (--no-warmup starts sooner)")
+        assert held < log.index("warm-up: ") < log.index("at http://127.0.0.1:"), log
+        expected = Engine.load(str(minilm_dir), EngineConfig(device="cpu")).embed(
+            TextTokenizer(minilm_dir / "tokenizer.json", 256).encode(texts[:4]).ids)
+        assert reply.status_code == 200
+        assert (np.array(reply.json()) * expected).sum(1).min() >= 0.999
+    finally:
+        stop(server)
 
 
 def test_prompts_and_tei_fields_give_the_vectors_index_and_score_would(random_bert: Path) -> None:

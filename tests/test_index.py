@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from lancedb.index import BTree
 
 import embedctl
 from engine import Engine, EngineConfig, UserError
@@ -565,7 +566,7 @@ def test_rows_whose_kept_columns_alone_changed_stay_in_the_lance_tables_indexes(
     rows = [{"id": f"d{i}", "text": f"Document number {i}.", "tag": f"t{i}"} for i in range(40)]
     write_jsonl(tmp_path / "docs.jsonl", rows)
     assert index(engine, tmp_path / "docs.jsonl", f"{tmp_path}/x.lance", keep=("tag",)).added == 40
-    lancedb.connect(tmp_path).open_table("x").create_scalar_index("id")
+    lancedb.connect(tmp_path).open_table("x").create_index("id", config=BTree())
     rows[3]["tag"] = "new"
     write_jsonl(tmp_path / "docs.jsonl", rows)
     assert index(engine, tmp_path / "docs.jsonl", f"{tmp_path}/x.lance", keep=("tag",)).kept_only == 1
@@ -731,7 +732,7 @@ def test_a_rebuild_names_the_indexes_the_table_it_replaces_had(tmp_path: Path, e
     source = write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(5)])
     out = f"{tmp_path}/x.lance"
     assert index(engine, source, out).dropped_indexes == []
-    lancedb.connect(tmp_path).open_table("x").create_scalar_index("id")
+    lancedb.connect(tmp_path).open_table("x").create_index("id", config=BTree())
     rebuilt = index(engine, source, out, rebuild=True)
     assert rebuilt.dropped_indexes == ["id_idx: BTree on id"]
     assert rebuilt.summary().endswith("; the rebuilt table has none of the old one's indexes (id_idx: BTree on id): "

@@ -2,8 +2,8 @@
 
 A bar shows items done (of the total when the input knows it), tokens/s (items/s where nothing is
 embedded; tokens/s counted from the first embedded batch, so that the model's load, which the run's summary
-also leaves out, does not drag it down), elapsed time and the ETA. A run opens one bar per phase (score: ranking, then
-reranking). Bars are not the run's summary line, which the command prints after they have gone.
+also leaves out, does not drag it down), elapsed time and the ETA. A run opens one bar per phase (score:
+ranking, then reranking). Bars are not the run's summary line, which the command prints after they have gone.
 """
 
 from __future__ import annotations

@@ -97,7 +97,10 @@ MaxLengthOpt = Annotated[Optional[int], typer.Option(help="Truncate at this many
 DimOpt = Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka), re-normalised when normalising.")]
 AttentionOpt = Annotated[str, typer.Option(help="auto, sdpa, varlen, flashinfer or triton.")]
 EagerOpt = Annotated[bool, typer.Option(help="Run without CUDA graphs.")]
-CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help="Fused kernels on a GPU (norms via torch.compile, GELU in the GEMM epilogue, Qwen3's Triton and FlashInfer steps); --no-compile runs plain torch ops.")]
+_COMPILE_HELP = "Fused kernels on a GPU (norms via torch.compile, GELU in the GEMM epilogue, Qwen3's Triton and FlashInfer steps); --no-compile runs plain torch ops."
+CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help=_COMPILE_HELP)]
+# serve reads every option from EMBEDCTL_<OPTION> too, where click would name this one by its parameter, fuse
+ServeCompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", envvar="EMBEDCTL_COMPILE", help=_COMPILE_HELP)]
 
 
 @app.command()
@@ -320,7 +323,7 @@ def serve(
     dtype: DtypeOpt = None,
     attention: AttentionOpt = "auto",
     eager: EagerOpt = False,
-    fuse: CompileOpt = True,
+    fuse: ServeCompileOpt = True,
     # On by default: a graph captured under traffic stalls every request in flight, which made the
     # serving p99 several times its p50 (bench/results/gpu-2026-11-30-run62-serve-warmup-ab).
     warmup: Annotated[bool, typer.Option(help="Capture the CUDA graph of every batch shape (of sequences up to 512 tokens) before serving, so that no request waits for a capture; --no-warmup starts sooner.")] = True,

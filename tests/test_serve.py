@@ -35,6 +35,7 @@ import openai
 import pyarrow.parquet as pq
 import pytest
 import torch
+import typer.main
 import uvicorn
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
@@ -1024,6 +1025,17 @@ def test_every_serve_option_can_come_from_the_environment(minilm_dir: Path, tmp_
     finally:
         process.terminate()
         process.wait(60)
+
+
+def test_each_serve_option_reads_the_environment_variable_of_its_own_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EMBEDCTL_ and the option's name, as the README says: not the name of the Python parameter behind it."""
+    command = typer.main.get_command(cli).commands["serve"]
+    context = command.context_class(command, **command.context_settings)
+    for option in command.params:
+        name = "EMBEDCTL_" + next(flag for flag in option.opts if flag.startswith("--"))[2:].upper().replace("-", "_")
+        monkeypatch.setenv(name, "from the environment")
+        assert option.resolve_envvar_value(context) == "from the environment", (option.name, name)
+        monkeypatch.delenv(name)
 
 
 def _wait_until_held(process: subprocess.Popen, log: Path, port: int) -> None:

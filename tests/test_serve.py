@@ -1339,7 +1339,7 @@ def test_the_command_on_the_gpu_says_it_captures_its_graphs_before_it_listens(mi
             reply = client.post("/embed", json={"inputs": texts[:4]})
         log = server.log.read_text()
         held = log.index("is held; loading the model and capturing its CUDA graphs (--no-warmup starts sooner)")
-        assert held < log.index("warm-up: ") < log.index("at http://127.0.0.1:"), log
+        assert held < log.index("at http://127.0.0.1:") < log.index("warm-up: ") < log.index("startup complete"), log
         expected = Engine.load(str(minilm_dir), EngineConfig(device="cpu")).embed(
             TextTokenizer(minilm_dir / "tokenizer.json", 256).encode(texts[:4]).ids)
         assert reply.status_code == 200

@@ -335,18 +335,18 @@ class _Groups:
     """Batches gathered, and split where needed, into groups of commit_rows rows."""
 
     def __init__(self, schema: pa.Schema, commit_rows: int) -> None:
-        self._schema, self.commit_rows = schema, commit_rows
+        self._schema, self._commit_rows = schema, commit_rows
         self._batches: list[pa.RecordBatch] = []
         self._rows = 0
 
     def add(self, batch: pa.RecordBatch) -> Iterator[pa.Table]:
         """Keep batch; yield each group it completes."""
         _check_batch(batch, self._schema)
-        while self._rows + batch.num_rows >= self.commit_rows:
-            room = self.commit_rows - self._rows
+        while self._rows + batch.num_rows >= self._commit_rows:
+            room = self._commit_rows - self._rows
             self._batches.append(batch.slice(0, room))
             batch = batch.slice(room)
-            self._rows = self.commit_rows
+            self._rows = self._commit_rows
             yield self.take()
         if batch.num_rows:
             self._batches.append(batch)
@@ -476,11 +476,11 @@ class _LanceStore:
     def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset(),
                restamps: Sequence[pa.Table] = ()) -> int:
         replace = self._target != self._name
+        self._restamp(Restamps(restamps))
         if (group := self._groups.take()) is not None:
             self._commit(group)
         elif self._table is None:  # an empty source still makes an (empty) table
             self._commit(self._schema.empty_table())
-        self._restamp(Restamps(restamps))
         doomed = self.existing.keys() if prune or replace else self.existing.keys() & emptied
         gone = sorted(doomed - source.keys())
         with _io_errors(self._shown):
@@ -498,18 +498,15 @@ class _LanceStore:
         return len(self.replaced - source.keys()) if replace else len(gone)
 
     def _restamp(self, restamps: Restamps) -> None:
-        """Whole rows, their stored vectors in them, upserted as re-embedded rows are: a merge of the changed
-        columns alone rewrites them in place, which takes every fragment it touches out of the table's indexes."""
+        """Whole rows, their stored vectors in them, written as re-embedded rows are (upserted in the run's
+        groups): a merge of the changed columns alone rewrites them in place, which takes every fragment it
+        touches out of the table's indexes."""
         ids = restamps.ids()
-        groups = _Groups(self._schema, self._groups.commit_rows)
-        with _io_errors(self._shown):
-            for start in range(0, len(ids), _DELETE_IDS):
+        for start in range(0, len(ids), _DELETE_IDS):
+            with _io_errors(self._shown):
                 stored = self._table.to_lance().to_table(filter=_id_in(ids[start:start + _DELETE_IDS]))
-                for batch in restamps.apply(stored.cast(self._schema)).to_batches():
-                    for group in groups.add(batch):
-                        self._commit(group)
-            if (group := groups.take()) is not None:
-                self._commit(group)
+            for batch in restamps.apply(stored.cast(self._schema)).to_batches():
+                self.write(batch)
 
     def abort(self) -> None:
         self._groups.take()

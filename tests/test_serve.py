@@ -106,13 +106,14 @@ class Server:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=120)
 
 
-def start_server(minilm_dir: Path, log: Path, *options: str, device: str = "cpu") -> Server:
-    """`embedctl serve` in a subprocess, returned once /health says 200."""
+def start_server(minilm_dir: Path, log: Path, *options: str, device: str = "cpu",
+                 env: dict[str, str] | None = None) -> Server:
+    """`embedctl serve` in a subprocess (env: variables added to its environment), returned once /health says 200."""
     port = free_port()
     command = [sys.executable, "-m", "embedctl.cli", "serve", "--port", str(port), "--device", device,
                "--model", str(minilm_dir), *options]
     with log.open("w") as sink:
-        process = subprocess.Popen(command, env=SERVER_ENV, stdout=sink, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, env={**SERVER_ENV, **(env or {})}, stdout=sink, stderr=subprocess.STDOUT)
     server = Server(process, port, log)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -906,6 +907,30 @@ def test_sigterm_drains_the_request_in_flight_then_exits(minilm_dir: Path, tmp_p
         assert "Traceback" not in server.log.read_text()
     finally:
         stop(server)
+
+
+def test_the_collector_leaves_the_objects_of_the_start_up_out_of_its_full_passes(random_bert: Path, tmp_path: Path) -> None:
+    """What loading made (torch, the model, the web stack) is frozen (gc.freeze) before the server listens, so
+    a full collection in the middle of requests walks what came after it, not some 200,000 objects. Seen
+    from inside the real server's process: a sitecustomize writes the collector's counts as it exits."""
+    probe, counts = tmp_path / "probe", tmp_path / "counts.json"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(
+        "import atexit, gc, json\n"
+        f"atexit.register(lambda: open({str(counts)!r}, 'w').write(json.dumps("
+        "{'frozen': gc.get_freeze_count(), 'tracked': len(gc.get_objects())})))\n")
+    server = start_server(random_bert, tmp_path / "server.log", env={"PYTHONPATH": os.pathsep.join(
+        [str(probe), *filter(None, [os.environ.get("PYTHONPATH")])])})
+    try:
+        with server.client() as client:
+            for _ in range(20):
+                assert client.post("/embed", json={"inputs": ["a short query"]}).status_code == 200
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(60) == 0
+    finally:
+        stop(server)
+    seen = json.loads(counts.read_text())
+    assert seen["frozen"] > 50_000 and seen["tracked"] < seen["frozen"] / 10, seen
 
 
 def test_a_second_ctrl_c_quits_at_once_and_cleanly(minilm_dir: Path, tmp_path: Path) -> None:

@@ -90,7 +90,7 @@ from engine.batch import PackedBatch
 from engine.errors import short_reason
 from engine.scheduler import QueueFull, Scheduler, SchedulerClosed
 from pipelines.similarity import pair_scores_of, similarity_of
-from pipelines.tokenize import Encoded, TextTokenizer, resolve_prompt
+from pipelines.tokenize import COUNT_CHARS, Encoded, TextTokenizer, more_tokens_than, resolve_prompt
 from pipelines.tokenize_pool import TokenizerPool, check_processes, default_processes
 
 log = logging.getLogger("embedctl.serve")
@@ -823,10 +823,16 @@ class _Service:
         prompt = self.prompt(body.prompt_name)
 
         def token_lists(prompted: list[str]) -> list[list[dict[str, Any]]]:
+            too_many = ApiError(413, f"inputs hold more than {TOKENIZE_MAX_TOKENS:,} tokens, the most /tokenize answers "
+                                     "per request; send less text per request")
+            # A long request is counted first, in pieces: tokenized whole, 4 MB of text took 1.2 GB and 15 s of a
+            # tokenizer thread before its refusal, and the memory stayed with the process.
+            if sum(map(len, prompted)) > COUNT_CHARS and more_tokens_than(
+                    self.untruncated, prompted, TOKENIZE_MAX_TOKENS, self.tokenizer.cuts_at_spaces, body.add_special_tokens):
+                raise too_many
             encodings = self.untruncated.encode_batch(prompted, add_special_tokens=body.add_special_tokens)
-            if (tokens := sum(len(encoding.ids) for encoding in encodings)) > TOKENIZE_MAX_TOKENS:
-                raise ApiError(413, f"inputs hold {tokens:,} tokens, and /tokenize answers at most "
-                                    f"{TOKENIZE_MAX_TOKENS:,} per request; send less text per request")
+            if sum(len(encoding.ids) for encoding in encodings) > TOKENIZE_MAX_TOKENS:
+                raise too_many
             return [_tokens(encoding, text) for encoding, text in zip(encodings, prompted)]
 
         return _dumps(await self.tokenize(token_lists, [prompt + text for text in texts]))

@@ -52,6 +52,9 @@ CUT_CHARS_PER_TOKEN = 5
 # when the head holds too few tokens: twice the first cut, so that a text the cut would widen seldom
 # costs a second pass.
 HEAD_CHARS_PER_TOKEN = 2 * CUT_CHARS_PER_TOKEN
+# Characters tokenized at once while counting a long input's tokens (more_tokens_than): enough to keep the
+# library's threads busy, few enough that the work and memory past the limit stay small.
+COUNT_CHARS = 1 << 16
 # About the tokenizer's Rust threads: rayon sizes its pool by the cores this process may use, unless
 # RAYON_NUM_THREADS or a cgroup quota says otherwise.
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -184,6 +187,11 @@ class TextTokenizer:
         self._added_normalized = _any_of(contents + [normalize(content) for content in contents])
         self._cut_points = cut_points(normalizer, pre_tokenizer, contents) if self._cuts else None
         self._head_chars = max_length * HEAD_CHARS_PER_TOKEN
+
+    @property
+    def cuts_at_spaces(self) -> bool:
+        """Whether text on either side of a single space tokenizes as in the whole text (cuts_at_spaces)."""
+        return self._cuts
 
     @functools.cached_property
     def _bare_pieces(self) -> Tokenizer:
@@ -484,6 +492,27 @@ def _encode_cuts(tokenizer: Tokenizer, texts: list[str], limits: list[int],
                 retry.append(i)
         pending, scale = retry, scale * 2
     return encodings
+
+
+def more_tokens_than(tokenizer: Tokenizer, texts: Sequence[str], limit: int, cut: bool,
+                     add_special_tokens: bool = True) -> bool:
+    """Whether `tokenizer` (neither truncating nor padding) gives the texts more than `limit` tokens in all, found without
+    tokenizing much more than the part of them that passes it: texts are tokenized about COUNT_CHARS
+    characters at a time, and when `cut` (the pre-tokenizer cuts at spaces, see cuts_at_spaces) a long
+    text in pieces cut at spaces (_pieces), each of which tokenizes as it does in the whole text. Without
+    `cut` a text is tokenized whole, however long."""
+    specials = tokenizer.num_special_tokens_to_add(False) if add_special_tokens else 0
+    pieces = itertools.chain.from_iterable(_pieces(text, COUNT_CHARS) if cut else [text] for text in texts)
+    total, group, chars = specials * len(texts), [], 0
+    for piece in pieces:
+        group.append(piece)
+        chars += len(piece)
+        if chars >= COUNT_CHARS:
+            total += sum(len(encoding.ids) for encoding in tokenizer.encode_batch_fast(group, add_special_tokens=False))
+            if total > limit:
+                return True
+            group, chars = [], 0
+    return total + sum(len(encoding.ids) for encoding in tokenizer.encode_batch_fast(group, add_special_tokens=False)) > limit
 
 
 def cuts_at_spaces(spec: dict | None) -> bool:

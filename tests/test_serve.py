@@ -607,16 +607,20 @@ def test_a_body_that_stops_arriving_gets_408_and_the_server_serves_on(random_ber
         assert httpx.post(url + "/embed", json={"inputs": "still serving"}).status_code == 200
 
 
-def test_tokenize_refuses_more_tokens_than_it_answers_at_once(random_bert: Path, monkeypatch) -> None:
-    """Each token is an object of the reply: 4 MB of text, 2M tokens, took the server to 2.3 GB."""
+@pytest.mark.parametrize("count_chars", [1 << 16, 8], ids=["whole", "counted-in-pieces"])
+def test_tokenize_refuses_more_tokens_than_it_answers_at_once(random_bert: Path, monkeypatch, count_chars: int) -> None:
+    """Each token is an object of the reply: 4 MB of text, 2M tokens, took the server to 2.3 GB. A request of
+    more than COUNT_CHARS characters is counted in pieces before it is tokenized whole (tokenize's tests
+    check that count); here both ways give the same answers."""
     monkeypatch.setattr(serve_module, "TOKENIZE_MAX_TOKENS", 12)
+    monkeypatch.setattr(serve_module, "COUNT_CHARS", count_chars)
     engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
     with serving(create_app(engine, TextTokenizer(engine.files.tokenizer_file, engine.max_length))) as url:
         fits = httpx.post(url + "/tokenize", json={"inputs": ["one two three", "four five six"]})
         refused = httpx.post(url + "/tokenize", json={"inputs": ["one two three four five", "six seven eight nine"]})
     assert fits.status_code == 200 and sum(map(len, fits.json())) == 10
     assert refused.status_code == 413 and refusal(refused) == (
-        "inputs hold 13 tokens, and /tokenize answers at most 12 per request; send less text per request", "Validation")
+        "inputs hold more than 12 tokens, the most /tokenize answers per request; send less text per request", "Validation")
 
 
 def test_no_color_turns_off_the_colours_of_the_server_log(monkeypatch) -> None:

@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from engine.checkpoint import resolve_model
 from pipelines import tokenize
-from pipelines.tokenize import CUT_CHARS_PER_TOKEN, TextTokenizer, ascii_normalizer, encode_cut
+from pipelines.tokenize import CUT_CHARS_PER_TOKEN, TextTokenizer, ascii_normalizer, encode_cut, more_tokens_than
 
 CORPUS = sorted(Path("sample_data/corpus").glob("*.parquet"))
 
@@ -533,6 +533,44 @@ def test_token_ids_are_cut_as_their_text_is(tokenizers_dir: Path, kind: str) -> 
     assert tokenizer.cut_ids(whole[:10], 16).tolist() == whole[:10]
     if kind != "bpe":
         assert tokenizer.cut_ids(whole[1:-1], 16).tolist() == whole[1:17]
+
+
+class _Recording:
+    """A tokenizer that passes every call on and counts the characters it was given to tokenize."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.chars = tokenizer, 0
+
+    def num_special_tokens_to_add(self, pair: bool) -> int:
+        return self.tokenizer.num_special_tokens_to_add(pair)
+
+    def encode_batch_fast(self, texts: list[str], add_special_tokens: bool = True) -> list:
+        self.chars += sum(map(len, texts))
+        return self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "qwen", "bpe-whole", "unigram"])
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_more_tokens_than_counts_as_the_whole_texts_do_and_stops_soon_after_the_limit(
+        tokenizers_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str, add_special_tokens: bool) -> None:
+    """/tokenize's guard: long texts counted in pieces cut at spaces, a few thousand characters at a time,
+    give exactly the whole texts' count; and past the limit, the rest of the input is never tokenized."""
+    monkeypatch.setattr(tokenize, "COUNT_CHARS", 2_000)
+    path = tokenizer_path(kind, tokenizers_dir)
+    whole = Tokenizer.from_file(str(path))
+    whole.no_truncation()
+    whole.no_padding()  # MiniLM's file pads to 128
+    cut = TextTokenizer(path, 16).cuts_at_spaces
+    assert cut == (kind != "bpe-whole")
+    texts = [" ".join(corpus_texts()[start:start + 40]) for start in range(0, 200, 40)] + cjk_texts(128) + awkward_texts(128)
+    exact = sum(len(encoding.ids) for encoding in whole.encode_batch_fast(texts, add_special_tokens=add_special_tokens))
+    assert max(map(len, texts)) > 5 * 2_000  # texts of many pieces
+    assert not more_tokens_than(whole, texts, exact, cut, add_special_tokens)
+    assert more_tokens_than(whole, texts, exact - 1, cut, add_special_tokens)
+    if cut:  # a limit passed early in a long input: a piece group or two past it are tokenized, not the rest
+        recording = _Recording(whole)
+        assert more_tokens_than(recording, texts * 20, 1_000, cut, add_special_tokens)
+        assert recording.chars < 3 * (2_000 + max(map(len, texts))) < sum(map(len, texts * 20)) / 10
 
 
 def test_encode_from_left_keeps_the_end_of_a_text_and_of_a_pairs_longer_text(minilm_dir: Path) -> None:

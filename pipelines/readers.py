@@ -133,15 +133,19 @@ class CorpusReader:
 
     def follow(self, stored: pa.Schema, origin: str) -> None:
         """Keep the columns of an output this run updates (stored, holding the same names as keep) in its order,
-        and in its types where no Parquet file's own column gives one (a JSONL corpus, a key only folders give):
-        --keep b --keep a then matches a table made with --keep a --keep b, a key null throughout the first chunk
-        keeps the type stored rather than becoming text, and year=2024 stays text in an output that stored
-        year=unknown. origin names the output in the message for a value that does not fit."""
+        and in its types where no Parquet file's own column gives one (a JSONL corpus, a key only folders give)
+        or where the files' type is of the same kind (_same_kind: a re-export writing large_string for string,
+        or int32 for int64): --keep b --keep a then matches a table made with --keep a --keep b, a key null
+        throughout the first chunk keeps the type stored rather than becoming text, year=2024 stays text in an
+        output that stored year=unknown, and a Parquet export moved from pandas to Polars updates its output
+        rather than asking for a --rebuild. origin names the output in the message for a value that does not fit."""
         self.keep, self._followed = stored.names, origin
         if self._kept_schema is not None:  # typed by the Parquet files' own schemas, but for keys only folders give
-            self._kept_schema = pa.schema([self._kept_schema.field(name) if name in self._own_columns
-                                           else stored.field(name) for name in stored.names])
-            self._kept_origins |= {name: origin for name in stored.names if name not in self._own_columns}
+            own = {name for name in stored.names if name in self._own_columns
+                   and not _same_kind(self._kept_schema.field(name).type, stored.field(name).type)}
+            self._kept_schema = pa.schema([self._kept_schema.field(name) if name in own else stored.field(name)
+                                           for name in stored.names])
+            self._kept_origins |= {name: origin for name in stored.names if name not in own}
         else:
             self._kept_schema, self._typed_by = stored, origin
 
@@ -673,19 +677,25 @@ def _unify(f: _File, known: pa.Schema | None, kept: pa.Schema) -> pa.Schema:
 
 
 def _fitted(column: pa.Array, known: pa.DataType) -> pa.Array | None:
-    """column cast to known where that changes no value, else None: where Arrow promotes its type to known
-    (nulls, ints in a float column, an object that lacks a key), or from ints to ints and text to text.
+    """column cast to known where that changes no value, else None: where _same_kind allows the cast.
     Other casts can change values: to an int column 3.99 becomes 3, to a struct a key it lacks is dropped."""
     if column.type == known:
         return column
-    same_kind = ((pa.types.is_integer(column.type) and pa.types.is_integer(known))
-                 or (_is_text(column.type) and _is_text(known)))
-    if not (same_kind or _promotes_to(column.type, known)):
+    if not _same_kind(column.type, known):
         return None
     try:
         return column.cast(known)  # safe: an int that does not fit, or past 2**53 in a float column, raises
     except pa.ArrowInvalid:
         return None
+
+
+def _same_kind(kind: pa.DataType, known: pa.DataType) -> bool:
+    """Whether values of type kind cast to known unchanged wherever they fit: where Arrow promotes kind to
+    known (nulls, ints in a float column, an object that lacks a key), or from ints to ints and text to text
+    (plain, large, view or dictionary-encoded). A cast of ints to a narrower int raises for a value that
+    does not fit, as one past 2**53 to a float column does."""
+    return ((pa.types.is_integer(kind) and pa.types.is_integer(known)) or (_is_text(kind) and _is_text(known))
+            or _promotes_to(kind, known))
 
 
 def _promotes_to(kind: pa.DataType, known: pa.DataType) -> bool:

@@ -238,6 +238,37 @@ def test_a_rerun_keeps_the_kept_columns_types_and_order_of_its_output(work: Path
                           "k.lance gave it")
 
 
+def test_a_parquet_export_in_wider_or_narrower_types_updates_the_output(work: Path) -> None:
+    """A nightly export moved from pandas to Polars writes large_string for string (and a narrower int for
+    int64): the values fit the output's columns, so the run casts them and embeds nothing; a value that does
+    not fit the stored type is named."""
+    (work / "w").mkdir()
+    rows = documents(20, seed=4, prefix="w")
+    year = pa.array([2000 + i for i in range(20)], pa.int64())
+
+    def export(text_type: pa.DataType, year: pa.Array) -> None:
+        pq.write_table(pa.table({"id": [r["id"] for r in rows], "text": pa.array([r["text"] for r in rows], text_type),
+                                 "tag": pa.array(["a"] * 19 + ["b"], text_type), "year": year}), work / "w" / "p.parquet")
+
+    outputs = ["w.lance", "w.parquet", "wdir/"]
+    export(pa.string(), year)
+    side_by_side(work, *[("w", out, "--keep", "tag", "--keep", "year") for out in outputs])
+    export(pa.large_string(), year.cast(pa.int32()))
+    side_by_side(work, *[("w", out, "--keep", "tag", "--keep", "year", "--report", f"w{n}.json")
+                         for n, out in enumerate(outputs)])
+    for n, out in enumerate(outputs):
+        table = read(work, out)
+        assert (table.schema.field("tag").type, table.schema.field("year").type) == (pa.string(), pa.int64()), out
+        assert (report(work, f"w{n}.json")["unchanged"], table.num_rows) == (20, 20), out
+    side_by_side(work, ("w", "w32.parquet", "--keep", "tag", "--keep", "year"))  # an output of int32 years
+    export(pa.string(), pa.array([2000 + i for i in range(19)] + [1 << 40], pa.int64()))
+    before = (work / "w32.parquet").read_bytes()
+    assert_one_error_line(run(work, "w", "w32.parquet", "--keep", "tag", "--keep", "year"),
+                          "w/p.parquet row", "--keep column 'year' does not fit the type int32 it has in the existing "
+                          "output w32.parquet")
+    assert (work / "w32.parquet").read_bytes() == before
+
+
 def test_other_settings_are_refused_and_rebuild_replaces(work: Path) -> None:
     write_jsonl(work / "s.jsonl", documents(200, seed=3))
     side_by_side(work, ("s.jsonl", "s.lance"))

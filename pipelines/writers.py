@@ -216,6 +216,9 @@ def lance_table(out: str, table: str | None = None) -> tuple[str, str] | None:
             raise UserError(f"--out {out} is a folder of Parquet parts written by embedctl, not a LanceDB database; "
                             "give the database another folder")
         db, name, option = out, table, f"--table {table}"
+        if name.endswith(".lance"):  # LanceDB adds the suffix to the folder itself: t.lance.lance beside t.lance
+            raise UserError(f"--table {table}: LanceDB names a table's folder after it with .lance added, so this "
+                            f"would be a new table beside {table}; pass --table {table.removesuffix('.lance')}")
     elif out.rstrip("/").endswith(".lance"):
         db, _, base = out.rstrip("/").rpartition("/")
         db, name, option = db or ".", base.removesuffix(".lance"), f"--out {out}"

@@ -467,12 +467,15 @@ def test_a_table_name_lancedb_refuses_is_one_line_before_any_work(tmp_path: Path
     outputs = {"my vectors": ["--out", "my vectors.lance"], "café": ["--out", "café.lance"],
                "a b": ["--out", "db", "--table", "a b"]}
     segments = {".": ["--out", "db", "--table", "."], "..": ["--out", "...lance"]}  # LanceDB's own error was a traceback
-    results = run_side_by_side([(["docs.jsonl", *out], tmp_path) for out in [*outputs.values(), *segments.values()]])
+    suffixed = ["--out", "db", "--table", "t.lance"]  # was written quietly as a new table, db/t.lance.lance
+    results = run_side_by_side([(["docs.jsonl", *out], tmp_path) for out in [*outputs.values(), *segments.values(), suffixed]])
     for (name, out), result in zip(outputs.items(), results):
         assert_one_error_line(result, f"{' '.join(out[-2:])}: LanceDB takes only ASCII letters, digits, underscores, "
                                       f"hyphens and periods in a table name, not '{name}'; rename it")
     for (name, out), result in zip(segments.items(), results[len(outputs):]):
         assert_one_error_line(result, f"{' '.join(out[-2:])}: '{name}' is a path segment, not a table name; rename it")
+    assert_one_error_line(results[-1], "--table t.lance: LanceDB names a table's folder after it with .lance added",
+                          "pass --table t")
     assert snapshot(tmp_path) == before
 
 

@@ -7,7 +7,9 @@ first relevant document in the top 10) and Recall@k (relevant documents found in
 all relevant ones); a document is relevant when its relevance is above 0. Averages are over the
 queries the qrels judge, as trec_eval's and pytrec_eval's: one whose judgements are all 0 scores 0 on
 each metric; queries the qrels do not name are counted, not scored. Hits of equal score are taken in trec_eval's
-order (trec_order), so that a run file given to trec_eval scores as printed.
+order (trec_order), so that a run file given to trec_eval scores as printed, when it holds ten hits a
+query: nDCG@10 and MRR@10 look ten deep whatever the run file keeps, and the summary says so when it
+keeps fewer.
 Judged documents that are not among the documents ranked are normal (judgements pool many systems'
 runs over a larger corpus): they are scored as trec_eval scores them, the relevant ones as never found,
 and counted apart so that the caller can warn, since with a wrong id column almost none are found.
@@ -48,7 +50,9 @@ class Metrics:
     def summary(self) -> str:
         return (f"nDCG@10 {self.ndcg_at_10:.4f}, MRR@10 {self.mrr_at_10:.4f}, Recall@{self.k} {self.recall_at_k:.4f} "
                 f"over {plural(self.queries_scored, 'judged query', 'judged queries')} "
-                f"({self.queries_unjudged:,} without judgements)")
+                f"({self.queries_unjudged:,} without judgements)"
+                + (f"; nDCG@10 and MRR@10 look {CUTOFF} hits deep, past the {self.k} a query the run file holds"
+                   if self.k < CUTOFF else ""))
 
     def warning(self) -> str | None:
         """What to tell the user about judged documents missing from the ranked set, if any are."""

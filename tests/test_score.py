@@ -391,6 +391,9 @@ def test_metrics_at_ten_do_not_depend_on_top_k(model: Embedder) -> None:
     assert one.doc_ids == [hits[:1] for hits in ten.doc_ids]
     assert (at_one.ndcg_at_10, at_one.mrr_at_10) == (at_ten.ndcg_at_10, at_ten.mrr_at_10)
     assert at_one.mrr_at_10 < 1.0  # some query's document ranks below first: the cut would have shown
+    # trec_eval on a run file of one hit a query scores less: the summary says where the figures come from
+    assert at_one.summary().endswith("; nDCG@10 and MRR@10 look 10 hits deep, past the 1 a query the run file holds")
+    assert at_ten.summary().endswith("without judgements)")
 
 
 def test_sample_qrels_score_the_sample_ranking(sample_ranking: tuple[Queries, Ranking]) -> None:

@@ -510,6 +510,8 @@ class _LanceStore:
                 stored = self._table.to_lance().to_table(filter=_id_in(ids[start:start + _DELETE_IDS]))
             for batch in restamps.apply(stored.cast(self._schema)).to_batches():
                 self.write(batch)
+                # committed_rows counts embedded rows, as the Parquet stores' do: these were embedded by an earlier run
+                self.committed_rows -= batch.num_rows
 
     def abort(self) -> None:
         self._groups.take()

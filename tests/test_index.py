@@ -547,6 +547,7 @@ def test_rows_whose_kept_columns_alone_changed_keep_their_vectors_and_take_the_n
     report = index(engine, tmp_path / "docs.jsonl", target, keep=keep)
     assert (report.updated, report.kept_only, report.rows_written, report.unchanged) == (16, 10, 6, 14)
     assert report.summary().startswith("30 rows: 0 added, 16 updated (10 in kept columns only), 14 unchanged")
+    assert report.rows_committed == 6  # the rows embedded, as in every kind of output; not the restamped ones
     after = sorted_rows(target)
     write_jsonl(tmp_path / "fresh.jsonl", rows)
     fresh = index(engine, tmp_path / "fresh.jsonl", f"{tmp_path}/fresh.parquet", keep=keep)

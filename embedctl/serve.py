@@ -134,8 +134,11 @@ ENDPOINTS = (*EMBEDDINGS_PATHS, "/embed", "/rerank", *TASK_PATHS, "/tokenize", "
              "/metrics", "/v1/models", "/docs", "/openapi.json")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = tuple(float(1 << n) for n in range(4, 17))  # 16 ... 65,536 tokens per engine batch
-OPENAI_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
-                      429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+# OpenAI's error types: invalid_request_error for a request it refuses, a wrong key (code invalid_api_key) and an
+# unknown model (code model_not_found) included; "requests" for a rate limit (code rate_limit_exceeded); server_error
+# for its own failures. Clients that branch on them find them where OpenAI puts them.
+OPENAI_ERROR_TYPES = {429: "requests", 500: "server_error", 503: "server_error"}
+OPENAI_CODES = {401: "invalid_api_key", 429: "rate_limit_exceeded"}
 # OpenAI's API has neither 422 nor 424: it answers any invalid request with 400 and its own failure with 500.
 OPENAI_STATUS = {422: 400, 424: 500}
 TeiErrorType = Literal["Validation", "Empty", "Overloaded", "Backend", "Unhealthy"]
@@ -1162,7 +1165,7 @@ def _error_reply(path: str, error: ApiError) -> tuple[int, bytes]:
     status = error.openai_status
     return status, orjson.dumps({"error": {"message": error.detail,
                                            "type": OPENAI_ERROR_TYPES.get(status, "invalid_request_error"),
-                                           "param": None, "code": error.openai_code}})
+                                           "param": None, "code": error.openai_code or OPENAI_CODES.get(status)}})
 
 
 def _empty(message: str) -> ApiError:

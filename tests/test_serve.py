@@ -420,8 +420,8 @@ def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, mi
 
 LONG = "word " * 400
 ERRORS = [
-    ("no key", "/v1/embeddings", {"input": "x"}, None, 401, "authentication_error", "Authorization: Bearer"),
-    ("wrong key", "/v1/models", None, "nope", 401, "authentication_error", "API key"),
+    ("no key", "/v1/embeddings", {"input": "x"}, None, 401, "invalid_request_error", "Authorization: Bearer"),
+    ("wrong key", "/v1/models", None, "nope", 401, "invalid_request_error", "API key"),
     ("no key on a TEI route", "/info", None, None, 401, "Validation", "Authorization: Bearer"),
     ("malformed JSON", "/v1/embeddings", b'{"input": [', KEY, 400, "invalid_request_error", "not valid JSON"),
     ("malformed JSON on a TEI route", "/embed", b'{"inputs": [', KEY, 400, "Validation", "not valid JSON"),
@@ -465,7 +465,7 @@ ERRORS = [
     ("token id out of range", "/v1/embeddings", {"input": [101, 10 ** 6]}, KEY, 400, "invalid_request_error",
      "outside the model's vocabulary"),
     ("negative id to /decode", "/decode", {"ids": [101, -1]}, KEY, 422, "Validation", "outside the model's vocabulary 0..30521"),
-    ("unknown model", "/v1/embeddings", {"input": "x", "model": "gpt-4"}, KEY, 404, "not_found_error",
+    ("unknown model", "/v1/embeddings", {"input": "x", "model": "gpt-4"}, KEY, 404, "invalid_request_error",
      "unknown model 'gpt-4'"),
     ("unknown model to rerank", "/rerank", {"query": "q", "texts": ["a"], "model": "gpt-4"}, KEY, 404, "Validation",
      "unknown model 'gpt-4'"),
@@ -483,7 +483,7 @@ ERRORS = [
     ("too many to tokenize", "/tokenize", {"inputs": ["x"] * 33}, KEY, 413, "Validation", "--max-client-batch 32"),
     ("too many to decode", "/decode", {"ids": [[101]] * 33}, KEY, 413, "Validation", "--max-client-batch 32"),
     ("body too large", "/embed", {"inputs": ["word " * 14000]}, KEY, 413, "Validation", "--max-request-bytes 65536"),
-    ("body too large for OpenAI", "/v1/embeddings", {"input": ["word " * 14000]}, KEY, 413, "request_too_large",
+    ("body too large for OpenAI", "/v1/embeddings", {"input": ["word " * 14000]}, KEY, 413, "invalid_request_error",
      "--max-request-bytes 65536"),
     ("too long, no truncation", "/embed", {"inputs": ["short", LONG], "truncate": False}, KEY, 422, "Validation",
      "inputs[1] is longer than the model's max length of 256"),
@@ -504,17 +504,17 @@ ERRORS = [
      "inputs: Field required"),
     ("OpenAI's field on TEI's route", "/embed", {"input": "x"}, KEY, 422, "Validation",
      "input: is not a field of this endpoint; did you mean inputs?"),
-    ("no key on /embeddings", "/embeddings", {"input": "x"}, None, 401, "authentication_error",
+    ("no key on /embeddings", "/embeddings", {"input": "x"}, None, 401, "invalid_request_error",
      "Authorization: Bearer"),
     ("too many dimensions on /embeddings", "/embeddings", {"input": "x", "dimensions": 385}, KEY, 400,
      "invalid_request_error", "at most 384"),
     ("wrong method for /ping", "/ping", {}, KEY, 405, "Validation", "does not take that method"),
     # an embedding model's POST / is /embed, which has no query
     ("rerank body to the root", "/", {"query": "q", "texts": ["a"]}, KEY, 422, "Validation", "inputs: Field required"),
-    ("no such endpoint", "/v2/embeddings", {"input": "x"}, KEY, 404, "not_found_error", "no such endpoint"),
+    ("no such endpoint", "/v2/embeddings", {"input": "x"}, KEY, 404, "invalid_request_error", "no such endpoint"),
     ("wrong method", "/embed", None, KEY, 405, "Validation", "does not take that method"),
     ("wrong method for OpenAI", "/v1/embeddings", None, KEY, 405, "invalid_request_error", "does not take that method"),
-    ("trailing slash", "/embed/", {"inputs": "x"}, KEY, 404, "not_found_error", "no such endpoint"),
+    ("trailing slash", "/embed/", {"inputs": "x"}, KEY, 404, "invalid_request_error", "no such endpoint"),
     ("huge dimensions", "/v1/embeddings", {"input": "x", "dimensions": 10 ** 400}, KEY, 400, "invalid_request_error",
      "dimensions 100000000000... (401 digits) is more than the model's 384"),
 ]
@@ -556,6 +556,8 @@ def test_bad_requests_get_their_status_and_message(server: Server, texts, indexe
     assert reply.status_code == status, reply.text
     message, error_type = refusal(reply)
     assert phrase in message and error_type == kind
+    if status == 401 and path not in TEI_ROUTES:
+        assert reply.json()["error"]["code"] == "invalid_api_key"  # OpenAI's code for it
     with server.client() as client:
         after = client.post("/embed", json={"inputs": texts[5]})
     assert after.status_code == 200
@@ -695,7 +697,10 @@ def test_full_queue_gets_429_with_retry_after_then_serves_again(client: httpx.Cl
     refused = client.post("/embed", json={"inputs": ["a query"] * 10})
     # 16 texts, tokenized in two parts of 8: refused whole, before the first part could take the room left
     spread = client.post("/embed", json={"inputs": ["a query"] * 16})
+    openai_style = client.post("/v1/embeddings", json={"input": ["a query"] * 10})
     worker.join()
+    assert openai_style.status_code == 429 and openai_style.json()["error"]["code"] == "rate_limit_exceeded"
+    assert refusal(openai_style)[1] == "requests"  # OpenAI's type for a rate limit
     assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
     message, error_type = refusal(refused)
     assert "the queue holds 32 of at most 40 sequences" in message and error_type == "Overloaded"
@@ -1617,7 +1622,7 @@ def test_a_request_cut_off_by_a_shutdown_gets_503_in_its_routes_shape(random_ber
     reply = replies["openai"]
     message, error_type = refusal(reply)
     assert reply.status_code == 503 and reply.headers["Retry-After"] == "1"
-    assert "the server is shutting down and cut this request off" in message and error_type == "service_unavailable"
+    assert "the server is shutting down and cut this request off" in message and error_type == "server_error"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -658,10 +658,11 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
 
 def _freeze_startup_objects() -> None:
     """Leave what the model load made (some 200,000 objects: torch, the model, the web stack) out of the
-    garbage collector's full passes, which otherwise walk them all while every request waits: 140-200 ms
-    a pass on the 2-core development box, five of them in a 32,000-request run of bench.serve_overhead.
-    They live as long as the server does, so nothing is lost by never collecting them. Only the command
-    does this: an app made in a test's process must stay collectable with everything made before it."""
+    garbage collector's full passes, which otherwise walk them all while every request waits: a pass of
+    256-478 ms while clients sent, in each of two runs of bench.serve_overhead on the 2-core development box,
+    against about 1 ms with them frozen (bench/results/cpu-2026-12-07-serve-gc-freeze). They live as long as
+    the server does, so nothing is lost by never collecting them. Only the command does this: an app made in
+    a test's process must stay collectable with everything made before it."""
     gc.collect()  # the load's own garbage, once, rather than frozen
     gc.freeze()
 
@@ -831,7 +832,8 @@ class _Service:
             # A long request is counted first, in pieces: tokenized whole, 4 MB of text took 1.2 GB and 15 s of a
             # tokenizer thread before its refusal, and the memory stayed with the process.
             if sum(map(len, prompted)) > COUNT_CHARS and more_tokens_than(
-                    self.untruncated, prompted, TOKENIZE_MAX_TOKENS, self.tokenizer.cuts_at_spaces, body.add_special_tokens):
+                    self.untruncated, prompted, TOKENIZE_MAX_TOKENS, self.tokenizer.cuts_at_spaces,
+                    body.add_special_tokens):
                 raise too_many
             encodings = self.untruncated.encode_batch(prompted, add_special_tokens=body.add_special_tokens)
             if sum(len(encoding.ids) for encoding in encodings) > TOKENIZE_MAX_TOKENS:

@@ -496,11 +496,14 @@ def _encode_cuts(tokenizer: Tokenizer, texts: list[str], limits: list[int],
 
 def more_tokens_than(tokenizer: Tokenizer, texts: Sequence[str], limit: int, cut: bool,
                      add_special_tokens: bool = True) -> bool:
-    """Whether `tokenizer` (neither truncating nor padding) gives the texts more than `limit` tokens in all, found without
-    tokenizing much more than the part of them that passes it: texts are tokenized about COUNT_CHARS
-    characters at a time, and when `cut` (the pre-tokenizer cuts at spaces, see cuts_at_spaces) a long
-    text in pieces cut at spaces (_pieces), each of which tokenizes as it does in the whole text. Without
-    `cut` a text is tokenized whole, however long."""
+    """Whether `tokenizer` (neither truncating nor padding) gives the texts more than `limit` tokens in all,
+    found without tokenizing much more than the part of them that passes it: texts are tokenized about
+    COUNT_CHARS characters at a time, and when `cut` (the pre-tokenizer cuts at spaces, see cuts_at_spaces)
+    a long text in pieces cut at spaces (_pieces), each of which tokenizes as it does in the whole text.
+    Without `cut` a text is tokenized whole, however long."""
+    def tokens(group: list[str]) -> int:
+        return sum(len(encoding.ids) for encoding in tokenizer.encode_batch_fast(group, add_special_tokens=False))
+
     specials = tokenizer.num_special_tokens_to_add(False) if add_special_tokens else 0
     pieces = itertools.chain.from_iterable(_pieces(text, COUNT_CHARS) if cut else [text] for text in texts)
     total, group, chars = specials * len(texts), [], 0
@@ -508,11 +511,11 @@ def more_tokens_than(tokenizer: Tokenizer, texts: Sequence[str], limit: int, cut
         group.append(piece)
         chars += len(piece)
         if chars >= COUNT_CHARS:
-            total += sum(len(encoding.ids) for encoding in tokenizer.encode_batch_fast(group, add_special_tokens=False))
+            total += tokens(group)
             if total > limit:
                 return True
             group, chars = [], 0
-    return total + sum(len(encoding.ids) for encoding in tokenizer.encode_batch_fast(group, add_special_tokens=False)) > limit
+    return total + tokens(group) > limit
 
 
 def cuts_at_spaces(spec: dict | None) -> bool:

@@ -115,6 +115,7 @@ def index(
     rebuild: Annotated[bool, typer.Option(help="Re-embed every row and replace --out at the end, atomically (to change the model or its settings).")] = False,
     prune: Annotated[bool, typer.Option(help="Delete rows whose ids are no longer in SOURCE (refused when SOURCE holds no rows at all).")] = False,
     commit_rows: Annotated[int, typer.Option(help="Commit every N embedded rows: a killed run loses what it embedded since its last commit, and the same command resumes.")] = 10_000,
+    optimize: Annotated[bool, typer.Option(help="LanceDB's optimize at the end once a table has 20 fragments under 100,000 rows or an index lacks 100,000 rows: compact them, update the indexes, remove versions over 7 days old.")] = True,
     doc_prompt: Annotated[Optional[str], typer.Option(help="Text put before every document, e.g. 'passage: ' (default: the model's 'document' prompt, if any).")] = None,
     doc_prompt_name: Annotated[Optional[str], typer.Option(help="Name of a prompt in the model's sentence-transformers config, for documents.")] = None,
     overwrite: Annotated[bool, typer.Option(hidden=True)] = False,
@@ -161,7 +162,7 @@ def index(
                               dim=dim, max_length=max_length, lanes=lanes)
         options = IndexOptions(source=source, out=out, table=table, text_col=text_col, id_col=id_col,
                                keep=tuple(keep or ()), prompt=doc_prompt, prompt_name=doc_prompt_name, rebuild=rebuild, prune=prune,
-                               commit_rows=commit_rows, on_long=on_long.value, on_empty=on_empty.value,
+                               commit_rows=commit_rows, optimize=optimize, on_long=on_long.value, on_empty=on_empty.value,
                                on_duplicate=on_duplicate.value, tokenizer_processes=tokenizer_processes)
         corpus = open_corpus(options)  # a wrong path or a bad file should not wait for a model to load
         spec = ModelSpec.of(resolve_model(model), config)

@@ -78,6 +78,7 @@ class IndexOptions:
     rebuild: bool = False  # re-embed everything and replace the output at the end
     prune: bool = False  # delete rows whose ids are no longer in the source
     commit_rows: int = 10_000  # embedded rows per commit: what a kill can lose
+    optimize: bool = True  # LanceDB's optimize at the end, when the table has gathered enough to need it
     on_long: str = "truncate"  # truncate | error
     on_empty: str = "skip"  # skip | error
     on_duplicate: str = "error"  # error | skip
@@ -117,6 +118,7 @@ class IndexReport:
     graphs: dict = field(default_factory=dict)
     not_written: str | None = None  # why the run left the output alone, when it could not write it
     dropped_indexes: list[str] = field(default_factory=list)  # a LanceDB table's indexes that a rebuild replaced
+    optimized: str | None = None  # what LanceDB's optimize did to the table at the end of the run, when it ran
 
     @property
     def skipped(self) -> int:
@@ -139,10 +141,11 @@ class IndexReport:
         dropped = (f"; the rebuilt table has none of the old one's indexes ({', '.join(self.dropped_indexes)}): "
                    "create them again" if self.dropped_indexes else "")
         kept_only = f" ({self.kept_only:,} in kept columns only)" if self.kept_only else ""
+        optimized = f"; table optimized: {self.optimized}" if self.optimized else ""
         rows = self.rows_written + self.kept_only + self.unchanged
         return (f"{plural(rows, 'row')}: {self.added:,} added, {self.updated:,} updated{kept_only}, "
                 f"{self.unchanged:,} unchanged, {self.deleted:,} deleted; {embedded}; {self.truncated:,} truncated, "
-                f"{self.skipped:,} skipped{numbered}{left_out} -> {written}{dropped}")
+                f"{self.skipped:,} skipped{numbered}{left_out} -> {written}{optimized}{dropped}")
 
     def _load(self) -> str:
         return f", after {self.load_seconds:.1f} s loading the model" if self.load_seconds else ""
@@ -282,8 +285,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
             return report
         settings = {**spec.settings(), "prompt": options.prompt}
         schema = _schema(spec, settings, reader.kept_schema)
-        store = open_store(options.out, schema, options.table, options.rebuild,
-                           options.commit_rows)
+        store = open_store(options.out, schema, options.table, options.rebuild, options.commit_rows, options.optimize)
         source: dict[str, str] = {}  # id -> content key of every row a fresh build would write
         emptied: set[str] = set()  # ids of the output that the source lists with an empty text
         restamps: list[pa.Table] = []  # stored rows whose kept columns alone changed: their new values
@@ -309,7 +311,7 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
                             f"{len(store.existing):,} stored in {options.out}; check the source (an empty export?), "
                             "or remove the output to start it empty")
         report.deleted = store.finish(source, options.prune, emptied, restamps)
-        report.dropped_indexes = list(store.dropped_indexes)
+        report.dropped_indexes, report.optimized = list(store.dropped_indexes), store.optimized
     except BaseException:
         flow.cancel()
         if store is not None:

@@ -6,7 +6,8 @@ maps the ids the store holds to their content keys. write() takes record batches
 groups of commit_rows rows, each group atomically: a Lance version (merge_insert by id when the group
 holds ids the table already has), or a Parquet part written under a temporary name and renamed into
 place. finish() commits the rest, gives stored rows whose kept columns alone changed their new kept values and
-content keys (restamps: their vectors stay), removes rows that the run superseded, emptied or pruned and, for a
+content keys (restamps: their vectors stay), removes rows that the run superseded, emptied or pruned, runs
+LanceDB's optimize on a table that has gathered enough small fragments or rows outside its indexes and, for a
 rebuild, swaps the replacement in. abort() drops what is not committed. Committed groups stay through a failure
 or a kill: that partial output is what lets the next run resume, and it is the one state in which an
 output holds part of a run.
@@ -36,6 +37,7 @@ import pyarrow.parquet as pq
 
 from engine.errors import UserError, short_reason
 from engine.spec import LATER_SETTINGS
+from pipelines.progress import plural
 
 CONTENT_KEY = "content_key"
 # The model's spelling may differ between runs on one output (a hub id or a path to the same files);
@@ -47,6 +49,10 @@ _PART_NAME = re.compile(r"part-(\d+)\.parquet$")
 _TMP = ".tmp-"  # prefix of a Parquet part not yet committed; hidden from readers
 _REBUILD = ".rebuild"  # where a directory rebuild stages its parts; a Lance rebuild's table is .NAME.rebuild
 _DELETE_IDS = 1000  # ids per Lance delete predicate
+# LanceDB advises optimize() after some 20 data changes or 100,000 added or changed rows (Table.optimize's notes).
+# A table shows the first as fragments under 100,000 rows (each commit adds one), the second as rows outside an index.
+OPTIMIZE_SMALL_FRAGMENTS = 20
+OPTIMIZE_UNINDEXED_ROWS = 100_000
 _LANCE_IO = "LanceError(IO)"  # how Lance's RuntimeError tells an I/O failure (a read-only folder, a full disk)
 _LANCE_PREFIX = re.compile(r"^lance error: LanceError\(\w+\): ")
 _TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # the table names LanceDB accepts
@@ -120,6 +126,7 @@ class VectorStore(Protocol):
     replaced: set[str]  # with rebuild, the ids of the output the replacement takes the place of; else empty
     committed_rows: int  # rows this run committed, which a run stopped before finish keeps (a rebuild: staged)
     dropped_indexes: Sequence[str]  # after finish: the indexes of a LanceDB table that a rebuild replaced
+    optimized: str | None  # after finish: what LanceDB's optimize did to the table, when it was due
 
     def write(self, batch: pa.RecordBatch) -> None: ...
 
@@ -180,8 +187,10 @@ def _as_stored(values: pa.ChunkedArray, stored_type: pa.DataType) -> pa.ChunkedA
 
 
 def open_store(out: str, schema: pa.Schema, table: str | None = None, rebuild: bool = False,
-               commit_rows: int = 10_000) -> VectorStore:
-    """A store for out; raises UserError, before changing anything, if out cannot take this schema.
+               commit_rows: int = 10_000, optimize: bool = True) -> VectorStore:
+    """A store for out; raises UserError, before changing anything, if out cannot take this schema. With
+    optimize, a LanceDB table the run changed gets LanceDB's optimize at finish once it is due
+    (_LanceStore._optimize_when_due).
 
     finish(source, prune, emptied, restamps) takes the id -> content_key of every row of the run's source, the
     ids the source lists with an empty text and the Restamps tables, and returns how many ids it deleted: those
@@ -190,7 +199,7 @@ def open_store(out: str, schema: pa.Schema, table: str | None = None, rebuild: b
     check_commit_rows(commit_rows)
     if (lance := lance_table(out, table)) is not None:
         shown = out if table is None else f"table '{table}' in {out}"
-        return _LanceStore(shown, *lance, schema, rebuild, commit_rows)
+        return _LanceStore(shown, *lance, schema, rebuild, commit_rows, optimize)
     fs, path, is_dir = _locate(out)
     if is_dir:
         return _ParquetDirStore(out, fs, path.rstrip("/"), schema, rebuild, commit_rows)
@@ -396,7 +405,8 @@ class _LanceStore:
     """A LanceDB table, created by its first group; a rebuild fills the table .NAME.rebuild and copies it
     over NAME in one commit at finish."""
 
-    def __init__(self, shown: str, db_uri: str, name: str, schema: pa.Schema, rebuild: bool, commit_rows: int) -> None:
+    def __init__(self, shown: str, db_uri: str, name: str, schema: pa.Schema, rebuild: bool, commit_rows: int,
+                 optimize: bool = True) -> None:
         import lancedb  # here, not at the top: Parquet output works where lancedb is not installed
 
         self._shown, self._name, self._db_uri = shown, name, db_uri
@@ -430,6 +440,7 @@ class _LanceStore:
         self._groups = _Groups(schema, commit_rows)
         self.committed_rows = 0
         self.dropped_indexes: list[str] = []
+        self._may_optimize, self._changed, self.optimized = optimize, False, None
         self.existing: dict[str, str] = {}
         if self._table is not None:
             stored = self._table.to_lance().to_table(columns=["id", CONTENT_KEY])
@@ -475,6 +486,7 @@ class _LanceStore:
             else:  # only new ids: a plain append, with no join against the whole table
                 self._table.add(group)
         self.committed_rows += group.num_rows
+        self._changed = True
 
     def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset(),
                restamps: Sequence[pa.Table] = ()) -> int:
@@ -489,6 +501,9 @@ class _LanceStore:
         with _io_errors(self._shown):
             for start in range(0, len(gone), _DELETE_IDS):
                 self._table.delete(_id_in(gone[start:start + _DELETE_IDS]))
+                self._changed = True
+            if self._may_optimize and self._changed and not replace:  # a replacement is written whole, in one commit
+                self._optimize_when_due()
             if replace:
                 # Overwritten, the table loses the indexes built on it (LanceDB keeps no recipe to rebuild an ANN
                 # index by): named in the summary, rather than left for slow queries to reveal.
@@ -499,6 +514,22 @@ class _LanceStore:
                 self._db.create_table(self._name, data=rows, schema=self._schema, mode="overwrite")
                 self._db.drop_table(self._target)
         return len(self.replaced - source.keys()) if replace else len(gone)
+
+    def _optimize_when_due(self) -> None:
+        """LanceDB's optimize, once the table has gathered OPTIMIZE_SMALL_FRAGMENTS small fragments or an index lacks
+        OPTIMIZE_UNINDEXED_ROWS rows: small fragments compacted (every query reads each fragment), the rows an index
+        lacks added to it (a query scans them one by one) and the files of versions over 7 days old removed (each
+        commit keeps what it replaced). Sets `optimized` to what it did."""
+        before = self._table.stats()["fragment_stats"]
+        unindexed = max((stats.num_unindexed_rows for index in self._table.list_indices()
+                         if (stats := self._table.index_stats(index.name)) is not None), default=0)
+        if before["num_small_fragments"] < OPTIMIZE_SMALL_FRAGMENTS and unindexed < OPTIMIZE_UNINDEXED_ROWS:
+            return
+        self._table.optimize()
+        fragments, after = before["num_fragments"], self._table.stats()["fragment_stats"]["num_fragments"]
+        done = [f"{fragments:,} fragments compacted into {after:,}"] if after < fragments else []
+        done += [f"its indexes given the {plural(unindexed, 'row')} they lacked"] if unindexed else []
+        self.optimized = ", ".join(done) or "optimized"
 
     def _restamp(self, restamps: Restamps) -> None:
         """Whole rows, their stored vectors in them, written as re-embedded rows are (upserted in the run's
@@ -528,6 +559,7 @@ class _ParquetDirStore:
     part. A rebuild stages its parts in DIR/.rebuild and moves them in at finish, after the old parts."""
 
     dropped_indexes: Sequence[str] = ()  # Parquet holds no indexes
+    optimized = None  # nor anything for LanceDB's optimize to do
 
     def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema,
                  rebuild: bool, commit_rows: int) -> None:
@@ -622,6 +654,7 @@ class _ParquetFileStore:
     """One Parquet file, rewritten whole beside the output and renamed onto it at finish."""
 
     dropped_indexes: Sequence[str] = ()  # Parquet holds no indexes
+    optimized = None  # nor anything for LanceDB's optimize to do
 
     def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema, rebuild: bool) -> None:
         self._shown, self._fs, self._path, self._schema = shown, fs, path, schema

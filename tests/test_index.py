@@ -727,6 +727,50 @@ def test_an_empty_first_export_with_kept_columns_does_not_block_the_next_runs(tm
     assert read_output(f"{tmp_path}/p{out}").select(["id", "title"]).to_pylist() == [{"id": "a", "title": "A title"}]
 
 
+def test_a_lance_table_is_optimized_once_it_has_gathered_twenty_small_fragments(tmp_path: Path,
+                                                                                 engine: Engine) -> None:
+    """Each commit adds a fragment, and every query reads every fragment: at 20 under 100,000 rows the run ends
+    with LanceDB's optimize, which compacts them, and says so; the rows are those of an unoptimized table."""
+    def fragments(name: str) -> int:
+        return lancedb.connect(tmp_path).open_table(name).stats()["fragment_stats"]["num_fragments"]
+
+    def texts(n: int) -> Path:
+        return write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(n)])
+
+    out, unoptimized = f"{tmp_path}/x.lance", f"{tmp_path}/kept.lance"
+    assert index(engine, texts(19), out, commit_rows=1).optimized is None
+    assert fragments("x") == 19
+    report = index(engine, texts(25), out, commit_rows=1)
+    assert report.optimized == "25 fragments compacted into 1"
+    assert report.summary().endswith(f" -> {out}; table optimized: 25 fragments compacted into 1")
+    assert fragments("x") == 1
+    assert index(engine, texts(25), unoptimized, commit_rows=1, optimize=False).optimized is None
+    assert fragments("kept") == 25
+    rows, expected = sorted_rows(out), sorted_rows(unoptimized)
+    assert [row["id"] for row in rows] == [row["id"] for row in expected] == sorted(f"d{i}" for i in range(25))
+    np.testing.assert_allclose([row["vector"] for row in rows], [row["vector"] for row in expected], atol=1e-6)
+    assert index(engine, texts(25), out, commit_rows=1).optimized is None  # nothing changed, nothing to do
+
+
+def test_a_lance_tables_indexes_get_the_rows_they_lack_once_enough_have_gathered(
+        tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows outside an index are scanned one by one by every query: at OPTIMIZE_UNINDEXED_ROWS (100,000; 5 here)
+    the run ends with LanceDB's optimize, which adds them to the index."""
+    monkeypatch.setattr(writers, "OPTIMIZE_UNINDEXED_ROWS", 5)
+    rows = [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(10)]
+    out = f"{tmp_path}/x.lance"
+    index(engine, write_jsonl(tmp_path / "docs.jsonl", rows), out)
+    lancedb.connect(tmp_path).open_table("x").create_index("id", config=BTree())
+    rows += [{"id": f"n{i}", "text": f"New text {i}."} for i in range(4)]
+    assert index(engine, write_jsonl(tmp_path / "docs.jsonl", rows), out).optimized is None  # 4 outside the index
+    assert lancedb.connect(tmp_path).open_table("x").index_stats("id_idx").num_unindexed_rows == 4
+    rows += [{"id": "n4", "text": "New text 4."}]
+    report = index(engine, write_jsonl(tmp_path / "docs.jsonl", rows), out)
+    assert report.optimized == "3 fragments compacted into 2, its indexes given the 5 rows they lacked"
+    stats = lancedb.connect(tmp_path).open_table("x").index_stats("id_idx")
+    assert (stats.num_indexed_rows, stats.num_unindexed_rows) == (15, 0)
+
+
 def test_a_rebuild_names_the_indexes_the_table_it_replaces_had(tmp_path: Path, engine: Engine) -> None:
     """LanceDB's overwrite leaves none of a table's indexes, and an ANN index's training options are not kept
     to build it again by: the summary says so, rather than queries turning slow without a word."""

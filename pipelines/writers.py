@@ -6,8 +6,8 @@ maps the ids the store holds to their content keys. write() takes record batches
 groups of commit_rows rows, each group atomically: a Lance version (merge_insert by id when the group
 holds ids the table already has), or a Parquet part written under a temporary name and renamed into
 place. finish() commits the rest, gives stored rows whose kept columns alone changed their new kept values and
-content keys (restamps: their vectors stay), removes rows that the run superseded, emptied or pruned, runs
-LanceDB's optimize on a table that has gathered enough small fragments or rows outside its indexes and, for a
+content keys (restamps: their vectors stay), removes rows that the run superseded, emptied or pruned, tidies a
+LanceDB table (small fragments compacted, rows added to its indexes, old versions' files removed) and, for a
 rebuild, swaps the replacement in. abort() drops what is not committed. Committed groups stay through a failure
 or a kill: that partial output is what lets the next run resume, and it is the one state in which an
 output holds part of a run.
@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Protocol
 
 import fsspec
@@ -49,10 +50,19 @@ _PART_NAME = re.compile(r"part-(\d+)\.parquet$")
 _TMP = ".tmp-"  # prefix of a Parquet part not yet committed; hidden from readers
 _REBUILD = ".rebuild"  # where a directory rebuild stages its parts; a Lance rebuild's table is .NAME.rebuild
 _DELETE_IDS = 1000  # ids per Lance delete predicate
-# LanceDB advises optimize() after some 20 data changes or 100,000 added or changed rows (Table.optimize's notes).
-# A table shows the first as fragments under 100,000 rows (each commit adds one), the second as rows outside an index.
-OPTIMIZE_SMALL_FRAGMENTS = 20
-OPTIMIZE_UNINDEXED_ROWS = 100_000
+# A Lance table's upkeep after a run that changed it (_LanceStore._tidy). Compaction merges the fragments under
+# COMPACT_TARGET_ROWS rows (each commit adds one; a cron job's are small) into ones of about that size, the size a
+# build's default commits give them, and rewrites those with a tenth of their rows deleted. Not LanceDB's 1M: its
+# flat search scans fragments in parallel, and 100,000 rows in one fragment took 294 ms a query against 100 in 10
+# and 62 in 100, while 200 fragments of 100 rows cost 45 ms against 20 compacted and id lookups 28 against 6
+# (bench/results/cpu-2026-12-07-lance-fragments).
+COMPACT_TARGET_ROWS = 10_000
+# Rows an index lacks, which every query scans one by one, are added to it from this many: LanceDB's advice
+# (Table.optimize's notes), since each addition rewrites part of the index.
+INDEX_UNINDEXED_ROWS = 100_000
+# The files of versions older than this are removed, as LanceDB's optimize() does by default: a reader may still
+# be on a recent one, and every commit keeps the files of what it replaced until then.
+VERSIONS_KEPT = timedelta(days=7)
 _LANCE_IO = "LanceError(IO)"  # how Lance's RuntimeError tells an I/O failure (a read-only folder, a full disk)
 _LANCE_PREFIX = re.compile(r"^lance error: LanceError\(\w+\): ")
 _TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # the table names LanceDB accepts
@@ -126,7 +136,7 @@ class VectorStore(Protocol):
     replaced: set[str]  # with rebuild, the ids of the output the replacement takes the place of; else empty
     committed_rows: int  # rows this run committed, which a run stopped before finish keeps (a rebuild: staged)
     dropped_indexes: Sequence[str]  # after finish: the indexes of a LanceDB table that a rebuild replaced
-    optimized: str | None  # after finish: what LanceDB's optimize did to the table, when it was due
+    optimized: str | None  # after finish: what a LanceDB table's upkeep did, if anything
 
     def write(self, batch: pa.RecordBatch) -> None: ...
 
@@ -189,8 +199,8 @@ def _as_stored(values: pa.ChunkedArray, stored_type: pa.DataType) -> pa.ChunkedA
 def open_store(out: str, schema: pa.Schema, table: str | None = None, rebuild: bool = False,
                commit_rows: int = 10_000, optimize: bool = True) -> VectorStore:
     """A store for out; raises UserError, before changing anything, if out cannot take this schema. With
-    optimize, a LanceDB table the run changed gets LanceDB's optimize at finish once it is due
-    (_LanceStore._optimize_when_due).
+    optimize, a LanceDB table the run changed gets its upkeep at finish (_LanceStore._tidy): compaction of small
+    fragments, rows added to its indexes, old versions' files removed.
 
     finish(source, prune, emptied, restamps) takes the id -> content_key of every row of the run's source, the
     ids the source lists with an empty text and the Restamps tables, and returns how many ids it deleted: those
@@ -503,7 +513,7 @@ class _LanceStore:
                 self._table.delete(_id_in(gone[start:start + _DELETE_IDS]))
                 self._changed = True
             if self._may_optimize and self._changed and not replace:  # a replacement is written whole, in one commit
-                self._optimize_when_due()
+                self._tidy()
             if replace:
                 # Overwritten, the table loses the indexes built on it (LanceDB keeps no recipe to rebuild an ANN
                 # index by): named in the summary, rather than left for slow queries to reveal.
@@ -515,21 +525,26 @@ class _LanceStore:
                 self._db.drop_table(self._target)
         return len(self.replaced - source.keys()) if replace else len(gone)
 
-    def _optimize_when_due(self) -> None:
-        """LanceDB's optimize, once the table has gathered OPTIMIZE_SMALL_FRAGMENTS small fragments or an index lacks
-        OPTIMIZE_UNINDEXED_ROWS rows: small fragments compacted (every query reads each fragment), the rows an index
-        lacks added to it (a query scans them one by one) and the files of versions over 7 days old removed (each
-        commit keeps what it replaced). Sets `optimized` to what it did."""
-        before = self._table.stats()["fragment_stats"]
+    def _tidy(self) -> None:
+        """The upkeep a table needs after a run changed it, each part only where it has work: small fragments
+        compacted (COMPACT_TARGET_ROWS), the rows its indexes lack added once there are INDEX_UNINDEXED_ROWS, the
+        files of versions older than VERSIONS_KEPT removed. Sets `optimized` to what it did, if anything."""
+        dataset = self._table.to_lance()
+        done = []
+        compaction = dataset.optimize.compact_files(target_rows_per_fragment=COMPACT_TARGET_ROWS)
+        if compaction.fragments_removed:
+            done.append(f"{plural(compaction.fragments_removed, 'fragment')} rewritten as {compaction.fragments_added:,}")
+        self._table.checkout_latest()
         unindexed = max((stats.num_unindexed_rows for index in self._table.list_indices()
                          if (stats := self._table.index_stats(index.name)) is not None), default=0)
-        if before["num_small_fragments"] < OPTIMIZE_SMALL_FRAGMENTS and unindexed < OPTIMIZE_UNINDEXED_ROWS:
-            return
-        self._table.optimize()
-        fragments, after = before["num_fragments"], self._table.stats()["fragment_stats"]["num_fragments"]
-        done = [f"{fragments:,} fragments compacted into {after:,}"] if after < fragments else []
-        done += [f"its indexes given the {plural(unindexed, 'row')} they lacked"] if unindexed else []
-        self.optimized = ", ".join(done) or "optimized"
+        if unindexed >= INDEX_UNINDEXED_ROWS:
+            dataset.optimize.optimize_indices()
+            done.append(f"its indexes given the {plural(unindexed, 'row')} they lacked")
+        cleanup = dataset.cleanup_old_versions(older_than=VERSIONS_KEPT)
+        if cleanup.old_versions:
+            done.append(f"{plural(cleanup.old_versions, 'old version')} removed ({cleanup.bytes_removed / 2**20:,.1f} MiB)")
+        self._table.checkout_latest()
+        self.optimized = ", ".join(done) or None
 
     def _restamp(self, restamps: Restamps) -> None:
         """Whole rows, their stored vectors in them, written as re-embedded rows are (upserted in the run's
@@ -559,7 +574,7 @@ class _ParquetDirStore:
     part. A rebuild stages its parts in DIR/.rebuild and moves them in at finish, after the old parts."""
 
     dropped_indexes: Sequence[str] = ()  # Parquet holds no indexes
-    optimized = None  # nor anything for LanceDB's optimize to do
+    optimized = None  # nor a LanceDB table's upkeep
 
     def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema,
                  rebuild: bool, commit_rows: int) -> None:
@@ -654,7 +669,7 @@ class _ParquetFileStore:
     """One Parquet file, rewritten whole beside the output and renamed onto it at finish."""
 
     dropped_indexes: Sequence[str] = ()  # Parquet holds no indexes
-    optimized = None  # nor anything for LanceDB's optimize to do
+    optimized = None  # nor a LanceDB table's upkeep
 
     def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema, rebuild: bool) -> None:
         self._shown, self._fs, self._path, self._schema = shown, fs, path, schema

@@ -10,10 +10,12 @@ are in test_incremental.py.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import lancedb
@@ -727,36 +729,44 @@ def test_an_empty_first_export_with_kept_columns_does_not_block_the_next_runs(tm
     assert read_output(f"{tmp_path}/p{out}").select(["id", "title"]).to_pylist() == [{"id": "a", "title": "A title"}]
 
 
-def test_a_lance_table_is_optimized_once_it_has_gathered_twenty_small_fragments(tmp_path: Path,
-                                                                                 engine: Engine) -> None:
-    """Each commit adds a fragment, and every query reads every fragment: at 20 under 100,000 rows the run ends
-    with LanceDB's optimize, which compacts them, and says so; the rows are those of an unoptimized table."""
-    def fragments(name: str) -> int:
-        return lancedb.connect(tmp_path).open_table(name).stats()["fragment_stats"]["num_fragments"]
+def fragments(folder: Path, name: str) -> list[int]:
+    """The rows of each fragment of LanceDB table `name` in folder."""
+    return [fragment.count_rows() for fragment in lancedb.connect(folder).open_table(name).to_lance().get_fragments()]
+
+
+def test_a_lance_tables_small_fragments_are_compacted_at_the_end_of_the_run_that_changed_it(
+        tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each commit adds a fragment, and a cron job's commits are small: the run ends by compacting fragments under
+    COMPACT_TARGET_ROWS (10,000; 4 here) into ones of about that size, and says so. Fragments of that size, as a
+    build's commits give them, stay as they are (a flat search scans them in parallel); the rows are those of a
+    table left alone (--no-optimize)."""
+    monkeypatch.setattr(writers, "COMPACT_TARGET_ROWS", 4)
 
     def texts(n: int) -> Path:
         return write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(n)])
 
-    out, unoptimized = f"{tmp_path}/x.lance", f"{tmp_path}/kept.lance"
-    assert index(engine, texts(19), out, commit_rows=1).optimized is None
-    assert fragments("x") == 19
-    report = index(engine, texts(25), out, commit_rows=1)
-    assert report.optimized == "25 fragments compacted into 1"
-    assert report.summary().endswith(f" -> {out}; table optimized: 25 fragments compacted into 1")
-    assert fragments("x") == 1
-    assert index(engine, texts(25), unoptimized, commit_rows=1, optimize=False).optimized is None
-    assert fragments("kept") == 25
-    rows, expected = sorted_rows(out), sorted_rows(unoptimized)
-    assert [row["id"] for row in rows] == [row["id"] for row in expected] == sorted(f"d{i}" for i in range(25))
+    out, left = f"{tmp_path}/x.lance", f"{tmp_path}/left.lance"
+    assert index(engine, texts(8), out, commit_rows=4).optimized is None
+    assert fragments(tmp_path, "x") == [4, 4]
+    report = index(engine, texts(11), out, commit_rows=1)
+    assert report.optimized == "3 fragments rewritten as 1"
+    assert report.summary().endswith(f" -> {out}; table optimized: 3 fragments rewritten as 1")
+    assert fragments(tmp_path, "x") == [4, 4, 3]
+    assert index(engine, texts(11), out, commit_rows=1).optimized is None  # nothing changed, nothing to do
+    for count in (8, 11):
+        assert index(engine, texts(count), left, commit_rows=4 if count == 8 else 1, optimize=False).optimized is None
+    assert fragments(tmp_path, "left") == [4, 4, 1, 1, 1]
+    rows, expected = sorted_rows(out), sorted_rows(left)
+    assert [row["id"] for row in rows] == [row["id"] for row in expected] == sorted(f"d{i}" for i in range(11))
     np.testing.assert_allclose([row["vector"] for row in rows], [row["vector"] for row in expected], atol=1e-6)
-    assert index(engine, texts(25), out, commit_rows=1).optimized is None  # nothing changed, nothing to do
 
 
 def test_a_lance_tables_indexes_get_the_rows_they_lack_once_enough_have_gathered(
         tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows outside an index are scanned one by one by every query: at OPTIMIZE_UNINDEXED_ROWS (100,000; 5 here)
-    the run ends with LanceDB's optimize, which adds them to the index."""
-    monkeypatch.setattr(writers, "OPTIMIZE_UNINDEXED_ROWS", 5)
+    """Rows outside an index are scanned one by one by every query: from INDEX_UNINDEXED_ROWS (100,000; 5 here)
+    the run ends by adding them to it."""
+    monkeypatch.setattr(writers, "INDEX_UNINDEXED_ROWS", 5)
+    monkeypatch.setattr(writers, "COMPACT_TARGET_ROWS", 1)  # no compaction: this is about the index alone
     rows = [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(10)]
     out = f"{tmp_path}/x.lance"
     index(engine, write_jsonl(tmp_path / "docs.jsonl", rows), out)
@@ -766,9 +776,27 @@ def test_a_lance_tables_indexes_get_the_rows_they_lack_once_enough_have_gathered
     assert lancedb.connect(tmp_path).open_table("x").index_stats("id_idx").num_unindexed_rows == 4
     rows += [{"id": "n4", "text": "New text 4."}]
     report = index(engine, write_jsonl(tmp_path / "docs.jsonl", rows), out)
-    assert report.optimized == "3 fragments compacted into 2, its indexes given the 5 rows they lacked"
+    assert report.optimized == "its indexes given the 5 rows they lacked"
     stats = lancedb.connect(tmp_path).open_table("x").index_stats("id_idx")
     assert (stats.num_indexed_rows, stats.num_unindexed_rows) == (15, 0)
+
+
+def test_a_lance_tables_old_versions_are_removed_at_the_end_of_the_run_that_changed_it(
+        tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every commit keeps the files of what it replaced: those of versions older than VERSIONS_KEPT (7 days; none
+    here) are removed, and the table reads the same."""
+    monkeypatch.setattr(writers, "VERSIONS_KEPT", timedelta(0))
+    monkeypatch.setattr(writers, "COMPACT_TARGET_ROWS", 1)  # only the fragment that lost d0 is rewritten
+    out = f"{tmp_path}/x.lance"
+    rows = [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(6)]
+    index(engine, write_jsonl(tmp_path / "docs.jsonl", rows), out, commit_rows=2, optimize=False)
+    assert len(lancedb.connect(tmp_path).open_table("x").list_versions()) == 3
+    rows[0]["text"] = "Another text."
+    report = index(engine, write_jsonl(tmp_path / "docs.jsonl", rows), out)
+    assert re.fullmatch(r"1 fragment rewritten as 1, \d+ old versions removed \(\d+\.\d MiB\)", report.optimized)
+    table = lancedb.connect(tmp_path).open_table("x")
+    assert len(table.list_versions()) == 1 and table.count_rows() == 6
+    assert table.search().where("id = 'd0'").to_arrow().column("n_tokens").to_pylist() == [5]  # another text .
 
 
 def test_a_rebuild_names_the_indexes_the_table_it_replaces_had(tmp_path: Path, engine: Engine) -> None:

@@ -1,0 +1,96 @@
+"""How a LanceDB table's fragment sizes change its queries: the evidence for the compaction target of
+`embedctl index`'s upkeep (pipelines.writers.COMPACT_TARGET_ROWS).
+
+The same random 384-dimensional vectors (MiniLM's width) are written as tables whose commits were of
+different sizes, each commit one fragment, and then, for the small commits a cron job makes, compacted as
+the upkeep compacts them (into fragments of about COMPACT_TARGET_ROWS rows) and as LanceDB's optimize()
+does (about 1M rows). Queries are what a search application sends with no ANN index: a flat top-10 by
+vector and a lookup by id. The tables take turns in every round, so a drift of the machine hits them alike.
+
+    python -m bench.lance_fragments --out bench-out/lance_fragments
+writes results.json and report.md under --out and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import lancedb
+import numpy as np
+import pyarrow as pa
+
+from pipelines.writers import COMPACT_TARGET_ROWS
+
+DIM = 384
+# (rows, rows per commit, compaction target or None): a build in default commits, in small commits, in one
+# commit; a cron job's tiny commits as they are, compacted by the upkeep and by LanceDB's default.
+TABLES = [(100_000, 100_000, None), (100_000, 10_000, None), (100_000, 1_000, None),
+          (20_000, 100, None), (20_000, 100, COMPACT_TARGET_ROWS), (20_000, 100, 1 << 20)]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=25, help="timed queries of each kind per table")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/lance_fragments"))
+    return parser.parse_args()
+
+
+def build(db: lancedb.DBConnection, vectors: np.ndarray, rows: int, per_commit: int, target: int | None):
+    def rows_between(start: int, stop: int) -> pa.Table:
+        flat = pa.array(vectors[start:stop].reshape(-1))
+        return pa.table({"id": [str(i) for i in range(start, stop)],
+                         "vector": pa.FixedSizeListArray.from_arrays(flat, DIM)})
+
+    table = db.create_table(f"t{rows}_{per_commit}_{target}", data=rows_between(0, per_commit))
+    for start in range(per_commit, rows, per_commit):
+        table.add(rows_between(start, start + per_commit))
+    if target is not None:
+        table.to_lance().optimize.compact_files(target_rows_per_fragment=target)
+        table.checkout_latest()
+    return table
+
+
+def main() -> None:
+    args = parse_args()
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((max(rows for rows, _, _ in TABLES), DIM), dtype=np.float32)
+    query = rng.standard_normal(DIM).astype(np.float32)
+    with tempfile.TemporaryDirectory(prefix="embedctl-lance-fragments-") as folder:
+        db = lancedb.connect(folder)
+        tables = [build(db, vectors, *shape) for shape in TABLES]
+        searches = {
+            "flat top-10": lambda table: table.search(query).limit(10).to_arrow(),
+            "id lookup": lambda table: table.search().where("id = '4242'").to_arrow(),
+        }
+        for table in tables:  # first reads open the files
+            for search in searches.values():
+                search(table)
+        seconds = [{name: [] for name in searches} for _ in tables]
+        for _ in range(args.rounds):
+            for table, timings in zip(tables, seconds):
+                for name, search in searches.items():
+                    start = time.perf_counter()
+                    search(table)
+                    timings[name].append(time.perf_counter() - start)
+        fragments = [table.stats()["fragment_stats"]["num_fragments"] for table in tables]
+    results = [{"rows": rows, "rows_per_commit": per_commit, "compacted_to": target, "fragments": count,
+                **{f"{name} p50 ms": round(1e3 * statistics.median(timings[name]), 2) for name in searches}}
+               for (rows, per_commit, target), count, timings in zip(TABLES, fragments, seconds)]
+    lines = ["| rows | rows per commit | compacted to | fragments | " + " | ".join(f"{n} p50 ms" for n in searches) + " |",
+             "|---|---|---|---|" + "---|" * len(searches)]
+    lines += [f"| {r['rows']:,} | {r['rows_per_commit']:,} | {r['compacted_to'] or '-'} | {r['fragments']:,} | "
+              + " | ".join(str(r[f"{n} p50 ms"]) for n in searches) + " |" for r in results]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps({"lancedb": lancedb.__version__, "rounds": args.rounds,
+                                                       "tables": results}, indent=2))
+    (args.out / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

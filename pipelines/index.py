@@ -119,6 +119,7 @@ class IndexReport:
     not_written: str | None = None  # why the run left the output alone, when it could not write it
     dropped_indexes: list[str] = field(default_factory=list)  # a LanceDB table's indexes that a rebuild replaced
     optimized: str | None = None  # what tidying a LanceDB table at the end of the run did, if anything
+    optimize_error: str | None = None  # why tidying it failed, if it did (the run's rows are committed)
 
     @property
     def skipped(self) -> int:
@@ -142,6 +143,9 @@ class IndexReport:
                    "create them again" if self.dropped_indexes else "")
         kept_only = f" ({self.kept_only:,} in kept columns only)" if self.kept_only else ""
         optimized = f"; table optimized: {self.optimized}" if self.optimized else ""
+        if self.optimize_error:
+            optimized = (f"; table not optimized ({self.optimize_error}): its rows are committed, and the next run "
+                         "tries again")
         rows = self.rows_written + self.kept_only + self.unchanged
         return (f"{plural(rows, 'row')}: {self.added:,} added, {self.updated:,} updated{kept_only}, "
                 f"{self.unchanged:,} unchanged, {self.deleted:,} deleted; {embedded}; {self.truncated:,} truncated, "
@@ -311,7 +315,8 @@ def run_index(model: IndexModel, options: IndexOptions, progress: Progress | Non
                             f"{len(store.existing):,} stored in {options.out}; check the source (an empty export?), "
                             "or remove the output to start it empty")
         report.deleted = store.finish(source, options.prune, emptied, restamps)
-        report.dropped_indexes, report.optimized = list(store.dropped_indexes), store.optimized
+        report.dropped_indexes, report.optimized, report.optimize_error = (list(store.dropped_indexes), store.optimized,
+                                                                           store.optimize_error)
     except BaseException:
         flow.cancel()
         if store is not None:

@@ -6,9 +6,9 @@ maps the ids the store holds to their content keys. write() takes record batches
 groups of commit_rows rows, each group atomically: a Lance version (merge_insert by id when the group
 holds ids the table already has), or a Parquet part written under a temporary name and renamed into
 place. finish() commits the rest, gives stored rows whose kept columns alone changed their new kept values and
-content keys (restamps: their vectors stay), removes rows that the run superseded, emptied or pruned, tidies a
-LanceDB table (small fragments compacted, rows added to its indexes, old versions' files removed) and, for a
-rebuild, swaps the replacement in. abort() drops what is not committed. Committed groups stay through a failure
+content keys (restamps: their vectors stay), removes rows that the run superseded, emptied or pruned, for a
+rebuild swaps the replacement in, and tidies a LanceDB table (small fragments compacted, rows added to its
+indexes, old versions' files removed). abort() drops what is not committed. Committed groups stay through a failure
 or a kill: that partial output is what lets the next run resume, and it is the one state in which an
 output holds part of a run.
 
@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Protocol
 
 import fsspec
@@ -50,18 +50,22 @@ _PART_NAME = re.compile(r"part-(\d+)\.parquet$")
 _TMP = ".tmp-"  # prefix of a Parquet part not yet committed; hidden from readers
 _REBUILD = ".rebuild"  # where a directory rebuild stages its parts; a Lance rebuild's table is .NAME.rebuild
 _DELETE_IDS = 1000  # ids per Lance delete predicate
-# A Lance table's upkeep after a run that changed it (_LanceStore._tidy). Compaction merges the fragments under
+# A Lance table's upkeep at the end of a run (_LanceStore._tidy). Compaction merges neighbouring fragments under
 # COMPACT_TARGET_ROWS rows (each commit adds one; a cron job's are small) into ones of about that size, the size a
 # build's default commits give them, and rewrites those with a tenth of their rows deleted. Not LanceDB's 1M: its
-# flat search scans fragments in parallel, and 100,000 rows in one fragment took 294 ms a query against 100 in 10
-# and 62 in 100, while 200 fragments of 100 rows cost 45 ms against 20 compacted and id lookups 28 against 6
+# flat search scans fragments in parallel, and 100,000 rows in one fragment took 301 ms a query against 117 in 10
+# and 70 in 100, while 200 fragments of 100 rows cost 48 ms against 23 compacted and id lookups 30 against 6
 # (bench/results/cpu-2026-12-07-lance-fragments).
 COMPACT_TARGET_ROWS = 10_000
+# Compaction waits for this many fragments under COMPACT_TARGET_ROWS: run after each small commit, it would rewrite
+# the growing last fragment every time. A daily cron job changing 50 of 100,000 rows had 98 times the rows it
+# changed rewritten over 200 days that way, 11 times with this wait (bench.lance_fragments).
+COMPACT_SMALL_FRAGMENTS = 10
 # Rows an index lacks, which every query scans one by one, are added to it from this many: LanceDB's advice
 # (Table.optimize's notes), since each addition rewrites part of the index.
 INDEX_UNINDEXED_ROWS = 100_000
-# The files of versions older than this are removed, as LanceDB's optimize() does by default: a reader may still
-# be on a recent one, and every commit keeps the files of what it replaced until then.
+# The files of versions replaced longer ago than this are removed (LanceDB's optimize() keeps 7 days too): a reader
+# may still be on a recently replaced one, and every commit keeps the files of what it replaced until then.
 VERSIONS_KEPT = timedelta(days=7)
 _LANCE_IO = "LanceError(IO)"  # how Lance's RuntimeError tells an I/O failure (a read-only folder, a full disk)
 _LANCE_PREFIX = re.compile(r"^lance error: LanceError\(\w+\): ")
@@ -137,6 +141,7 @@ class VectorStore(Protocol):
     committed_rows: int  # rows this run committed, which a run stopped before finish keeps (a rebuild: staged)
     dropped_indexes: Sequence[str]  # after finish: the indexes of a LanceDB table that a rebuild replaced
     optimized: str | None  # after finish: what a LanceDB table's upkeep did, if anything
+    optimize_error: str | None  # after finish: why a LanceDB table's upkeep failed, if it did
 
     def write(self, batch: pa.RecordBatch) -> None: ...
 
@@ -199,8 +204,8 @@ def _as_stored(values: pa.ChunkedArray, stored_type: pa.DataType) -> pa.ChunkedA
 def open_store(out: str, schema: pa.Schema, table: str | None = None, rebuild: bool = False,
                commit_rows: int = 10_000, optimize: bool = True) -> VectorStore:
     """A store for out; raises UserError, before changing anything, if out cannot take this schema. With
-    optimize, a LanceDB table the run changed gets its upkeep at finish (_LanceStore._tidy): compaction of small
-    fragments, rows added to its indexes, old versions' files removed.
+    optimize, a LanceDB table gets its upkeep at finish (_LanceStore._tidy): compaction of small fragments, rows
+    added to its indexes, old versions' files removed.
 
     finish(source, prune, emptied, restamps) takes the id -> content_key of every row of the run's source, the
     ids the source lists with an empty text and the Restamps tables, and returns how many ids it deleted: those
@@ -450,7 +455,9 @@ class _LanceStore:
         self._groups = _Groups(schema, commit_rows)
         self.committed_rows = 0
         self.dropped_indexes: list[str] = []
-        self._may_optimize, self._changed, self.optimized = optimize, False, None
+        self._may_optimize, self._changed = optimize, False
+        self.optimized: str | None = None
+        self.optimize_error: str | None = None
         self.existing: dict[str, str] = {}
         if self._table is not None:
             stored = self._table.to_lance().to_table(columns=["id", CONTENT_KEY])
@@ -512,38 +519,60 @@ class _LanceStore:
             for start in range(0, len(gone), _DELETE_IDS):
                 self._table.delete(_id_in(gone[start:start + _DELETE_IDS]))
                 self._changed = True
-            if self._may_optimize and self._changed and not replace:  # a replacement is written whole, in one commit
-                self._tidy()
             if replace:
                 # Overwritten, the table loses the indexes built on it (LanceDB keeps no recipe to rebuild an ANN
                 # index by): named in the summary, rather than left for slow queries to reveal.
                 old = self._open(self._name)
                 self.dropped_indexes = [f"{index.name}: {index.index_type} on {', '.join(index.columns)}"
                                         for index in (old.list_indices() if old is not None else [])]
-                rows = self._table.to_lance().scanner().to_reader()
-                self._db.create_table(self._name, data=rows, schema=self._schema, mode="overwrite")
-                self._db.drop_table(self._target)
+                self._replace()
+        if self._may_optimize and not replace:  # a replacement is written whole, in fragments of the right size
+            self._tidy()
         return len(self.replaced - source.keys()) if replace else len(gone)
 
+    def _replace(self) -> None:
+        """The table NAME replaced by the staged one in one commit, in fragments of COMPACT_TARGET_ROWS rows as a
+        build's commits make them (LanceDB's overwrite writes one per million rows, which its flat search scans
+        several times slower), and the stage dropped."""
+        import lance
+
+        stage = self._table.to_lance()
+        uri = posixpath.join(posixpath.dirname(stage.uri.rstrip("/")), f"{self._name}.lance")  # beside the stage
+        lance.write_dataset(stage.scanner().to_reader(), uri, schema=self._schema, mode="overwrite",
+                            max_rows_per_file=COMPACT_TARGET_ROWS)
+        self._db.drop_table(self._target)
+
     def _tidy(self) -> None:
-        """The upkeep a table needs after a run changed it, each part only where it has work: small fragments
-        compacted (COMPACT_TARGET_ROWS), the rows its indexes lack added once there are INDEX_UNINDEXED_ROWS, the
-        files of versions older than VERSIONS_KEPT removed. Sets `optimized` to what it did, if anything."""
-        dataset = self._table.to_lance()
-        done = []
-        compaction = dataset.optimize.compact_files(target_rows_per_fragment=COMPACT_TARGET_ROWS)
-        if compaction.fragments_removed:
-            done.append(f"{plural(compaction.fragments_removed, 'fragment')} rewritten as {compaction.fragments_added:,}")
-        self._table.checkout_latest()
-        unindexed = max((stats.num_unindexed_rows for index in self._table.list_indices()
-                         if (stats := self._table.index_stats(index.name)) is not None), default=0)
-        if unindexed >= INDEX_UNINDEXED_ROWS:
-            dataset.optimize.optimize_indices()
-            done.append(f"its indexes given the {plural(unindexed, 'row')} they lacked")
-        cleanup = dataset.cleanup_old_versions(older_than=VERSIONS_KEPT)
-        if cleanup.old_versions:
-            done.append(f"{plural(cleanup.old_versions, 'old version')} removed ({cleanup.bytes_removed / 2**20:,.1f} MiB)")
-        self._table.checkout_latest()
+        """The upkeep a table needs, each part only where it has work: runs of small fragments compacted once
+        COMPACT_SMALL_FRAGMENTS are under COMPACT_TARGET_ROWS, the rows its indexes lack added once there are
+        INDEX_UNINDEXED_ROWS and, after a run that changed the table, the files of versions that stopped being
+        current over VERSIONS_KEPT ago removed. A run that changed nothing still compacts and indexes when due, so
+        that an upkeep cut short is done by the next run. Sets `optimized` to what it did, if anything, or
+        `optimize_error` to why it failed: the run's rows are committed by then, so a failure does not fail it."""
+        try:
+            dataset, done = self._table.to_lance(), []
+            small = sum(fragment.metadata.physical_rows < COMPACT_TARGET_ROWS for fragment in dataset.get_fragments())
+            if small >= COMPACT_SMALL_FRAGMENTS:
+                compaction = dataset.optimize.compact_files(target_rows_per_fragment=COMPACT_TARGET_ROWS)
+                if compaction.fragments_removed:
+                    done.append(f"{plural(compaction.fragments_removed, 'fragment')} rewritten as "
+                                f"{compaction.fragments_added:,}")
+                self._table.checkout_latest()
+            unindexed = max((stats.num_unindexed_rows for index in self._table.list_indices()
+                             if (stats := self._table.index_stats(index.name)) is not None), default=0)
+            if unindexed >= INDEX_UNINDEXED_ROWS:
+                dataset.optimize.optimize_indices()
+                done.append(f"its indexes given the {plural(unindexed, 'row')} they lacked")
+            if self._changed or done:
+                old = _superseded_before(dataset.versions(), datetime.now() - VERSIONS_KEPT)
+                cleanup = dataset.cleanup_old_versions(versions=old, error_if_tagged_old_versions=False) if old else None
+                if cleanup is not None and cleanup.old_versions:
+                    done.append(f"{plural(cleanup.old_versions, 'old version')} removed "
+                                f"({cleanup.bytes_removed / 2**20:,.1f} MiB)")
+            self._table.checkout_latest()
+        except (OSError, RuntimeError, ValueError) as error:
+            self.optimize_error = _lance_reason(error) if isinstance(error, RuntimeError) else short_reason(error)
+            return
         self.optimized = ", ".join(done) or None
 
     def _restamp(self, restamps: Restamps) -> None:
@@ -563,6 +592,13 @@ class _LanceStore:
         self._groups.take()
 
 
+def _superseded_before(versions: list[dict], cutoff: datetime) -> list[int]:
+    """The numbers of the table versions that a later version replaced before cutoff: no reader has been on them
+    since. (Lance's own older_than goes by when a version was made, which would take the version a table was on
+    until this run if that was made long ago.) Lance gives each version's timestamp in local time, as cutoff."""
+    return [version["version"] for version, successor in zip(versions, versions[1:]) if successor["timestamp"] < cutoff]
+
+
 def _id_in(ids: Sequence[str]) -> str:
     """A Lance predicate for rows with these ids."""
     quoted = ", ".join("'" + row_id.replace("'", "''") + "'" for row_id in ids)
@@ -574,7 +610,7 @@ class _ParquetDirStore:
     part. A rebuild stages its parts in DIR/.rebuild and moves them in at finish, after the old parts."""
 
     dropped_indexes: Sequence[str] = ()  # Parquet holds no indexes
-    optimized = None  # nor a LanceDB table's upkeep
+    optimized = optimize_error = None  # nor a LanceDB table's upkeep
 
     def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema,
                  rebuild: bool, commit_rows: int) -> None:
@@ -669,7 +705,7 @@ class _ParquetFileStore:
     """One Parquet file, rewritten whole beside the output and renamed onto it at finish."""
 
     dropped_indexes: Sequence[str] = ()  # Parquet holds no indexes
-    optimized = None  # nor a LanceDB table's upkeep
+    optimized = optimize_error = None  # nor a LanceDB table's upkeep
 
     def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema, rebuild: bool) -> None:
         self._shown, self._fs, self._path, self._schema = shown, fs, path, schema

@@ -15,7 +15,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import lancedb
@@ -734,31 +734,48 @@ def fragments(folder: Path, name: str) -> list[int]:
     return [fragment.count_rows() for fragment in lancedb.connect(folder).open_table(name).to_lance().get_fragments()]
 
 
-def test_a_lance_tables_small_fragments_are_compacted_at_the_end_of_the_run_that_changed_it(
+def test_a_lance_tables_small_fragments_are_compacted_once_enough_have_gathered(
         tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each commit adds a fragment, and a cron job's commits are small: the run ends by compacting fragments under
-    COMPACT_TARGET_ROWS (10,000; 4 here) into ones of about that size, and says so. Fragments of that size, as a
-    build's commits give them, stay as they are (a flat search scans them in parallel); the rows are those of a
-    table left alone (--no-optimize)."""
+    """Each commit adds a fragment, and a cron job's commits are small: once COMPACT_SMALL_FRAGMENTS (10; 3 here)
+    are under COMPACT_TARGET_ROWS (10,000; 4 here), the run ends by compacting them, and says so. Fragments of
+    that size, as a build's commits give them, stay (a flat search scans them in parallel). A table left alone
+    (--no-optimize) holds the same rows, and the next run that may tidy it does, though it changed nothing."""
     monkeypatch.setattr(writers, "COMPACT_TARGET_ROWS", 4)
+    monkeypatch.setattr(writers, "COMPACT_SMALL_FRAGMENTS", 3)
 
     def texts(n: int) -> Path:
         return write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(n)])
 
     out, left = f"{tmp_path}/x.lance", f"{tmp_path}/left.lance"
-    assert index(engine, texts(8), out, commit_rows=4).optimized is None
-    assert fragments(tmp_path, "x") == [4, 4]
+    for count, commit_rows in ((8, 4), (10, 1)):
+        assert index(engine, texts(count), out, commit_rows=commit_rows).optimized is None
+        assert index(engine, texts(count), left, commit_rows=commit_rows, optimize=False).optimized is None
+    assert fragments(tmp_path, "x") == [4, 4, 1, 1]  # two small ones: not yet
     report = index(engine, texts(11), out, commit_rows=1)
     assert report.optimized == "3 fragments rewritten as 1"
     assert report.summary().endswith(f" -> {out}; table optimized: 3 fragments rewritten as 1")
     assert fragments(tmp_path, "x") == [4, 4, 3]
-    assert index(engine, texts(11), out, commit_rows=1).optimized is None  # nothing changed, nothing to do
-    for count in (8, 11):
-        assert index(engine, texts(count), left, commit_rows=4 if count == 8 else 1, optimize=False).optimized is None
+    assert index(engine, texts(11), out, commit_rows=1).optimized is None  # one small fragment: nothing to do
+    assert index(engine, texts(11), left, commit_rows=1, optimize=False).optimized is None
     assert fragments(tmp_path, "left") == [4, 4, 1, 1, 1]
     rows, expected = sorted_rows(out), sorted_rows(left)
     assert [row["id"] for row in rows] == [row["id"] for row in expected] == sorted(f"d{i}" for i in range(11))
     np.testing.assert_allclose([row["vector"] for row in rows], [row["vector"] for row in expected], atol=1e-6)
+    unchanged = index(engine, texts(11), left)
+    assert (unchanged.unchanged, unchanged.optimized) == (11, "3 fragments rewritten as 1")
+
+
+def test_a_rebuilt_lance_table_has_the_fragments_of_a_build(tmp_path: Path, engine: Engine,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """LanceDB's overwrite writes one fragment per million rows, which its flat search scans several times slower
+    than ten of 100,000: the rebuilt table is written in fragments of COMPACT_TARGET_ROWS (10,000; 4 here)."""
+    monkeypatch.setattr(writers, "COMPACT_TARGET_ROWS", 4)
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(11)])
+    index(engine, source, f"{tmp_path}/x.lance", commit_rows=11)
+    assert fragments(tmp_path, "x") == [11]
+    assert index(engine, source, f"{tmp_path}/x.lance", rebuild=True).updated == 11
+    assert fragments(tmp_path, "x") == [4, 4, 3]
+    assert sorted(row["id"] for row in sorted_rows(f"{tmp_path}/x.lance")) == sorted(f"d{i}" for i in range(11))
 
 
 def test_a_lance_tables_indexes_get_the_rows_they_lack_once_enough_have_gathered(
@@ -786,17 +803,42 @@ def test_a_lance_tables_old_versions_are_removed_at_the_end_of_the_run_that_chan
     """Every commit keeps the files of what it replaced: those of versions older than VERSIONS_KEPT (7 days; none
     here) are removed, and the table reads the same."""
     monkeypatch.setattr(writers, "VERSIONS_KEPT", timedelta(0))
-    monkeypatch.setattr(writers, "COMPACT_TARGET_ROWS", 1)  # only the fragment that lost d0 is rewritten
     out = f"{tmp_path}/x.lance"
     rows = [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(6)]
     index(engine, write_jsonl(tmp_path / "docs.jsonl", rows), out, commit_rows=2, optimize=False)
     assert len(lancedb.connect(tmp_path).open_table("x").list_versions()) == 3
     rows[0]["text"] = "Another text."
     report = index(engine, write_jsonl(tmp_path / "docs.jsonl", rows), out)
-    assert re.fullmatch(r"1 fragment rewritten as 1, \d+ old versions removed \(\d+\.\d MiB\)", report.optimized)
+    assert re.fullmatch(r"\d+ old versions removed \(\d+\.\d MiB\)", report.optimized)
     table = lancedb.connect(tmp_path).open_table("x")
     assert len(table.list_versions()) == 1 and table.count_rows() == 6
     assert table.search().where("id = 'd0'").to_arrow().column("n_tokens").to_pylist() == [5]  # another text .
+
+
+def test_only_versions_replaced_before_the_cutoff_are_old() -> None:
+    """A version made long ago that was current until an hour ago may have a reader on it: it stays."""
+    now = datetime(2026, 12, 7, 12, 0)
+    versions = [{"version": n, "timestamp": now - age} for n, age in
+                ((1, timedelta(days=10)), (2, timedelta(days=9)), (3, timedelta(hours=1)), (4, timedelta(0)))]
+    assert writers._superseded_before(versions, now - timedelta(days=7)) == [1]
+    assert writers._superseded_before(versions, now + timedelta(seconds=1)) == [1, 2, 3]
+    assert writers._superseded_before(versions[:1], now) == []
+
+
+def test_a_failed_upkeep_leaves_the_run_done_and_says_so(tmp_path: Path, engine: Engine,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's rows are committed before the upkeep: a failure there (a full disk) is told, not a failed run."""
+    def full_disk(versions: list, cutoff: datetime) -> list:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writers, "_superseded_before", full_disk)
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "A text."}])
+    report = index(engine, source, f"{tmp_path}/x.lance")
+    assert (report.added, report.optimized) == (1, None)
+    assert report.optimize_error == "[Errno 28] No space left on device"
+    assert report.summary().endswith("; table not optimized ([Errno 28] No space left on device): its rows are "
+                                     "committed, and the next run tries again")
+    assert [row["id"] for row in sorted_rows(f"{tmp_path}/x.lance")] == ["a"]
 
 
 def test_a_rebuild_names_the_indexes_the_table_it_replaces_had(tmp_path: Path, engine: Engine) -> None:

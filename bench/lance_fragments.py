@@ -117,8 +117,8 @@ def main() -> None:
     lines += [f"| {r['rows']:,} | {r['rows_per_commit']:,} | {r['compacted_to'] or '-'} | {r['fragments']:,} | "
               + " | ".join(str(r[f"{n} p50 ms"]) for n in searches) + " |" for r in results]
     changed = args.cron_days * 50
-    lines += ["", f"A cron job of {args.cron_days} daily runs changing 50 rows each ({changed:,} rows) of a 100,000-row table:",
-              "", "| compaction | rows rewritten | times the rows changed |", "|---|---|---|"]
+    lines += ["", f"A cron job of {args.cron_days} daily runs changing 50 rows each ({changed:,} rows) of a "
+              "100,000-row table:", "", "| compaction | rows rewritten | times the rows changed |", "|---|---|---|"]
     lines += [f"| {'after every run' if wait_for == 1 else f'once {wait_for} fragments are small'} | {rows:,} | "
               f"{rows / changed:.1f} |" for wait_for, rows in cron.items()]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -564,11 +564,11 @@ class _LanceStore:
                 dataset.optimize.optimize_indices()
                 done.append(f"its indexes given the {plural(unindexed, 'row')} they lacked")
             if self._changed or done:
-                old = _superseded_before(dataset.versions(), datetime.now() - VERSIONS_KEPT)
-                cleanup = dataset.cleanup_old_versions(versions=old, error_if_tagged_old_versions=False) if old else None
-                if cleanup is not None and cleanup.old_versions:
-                    done.append(f"{plural(cleanup.old_versions, 'old version')} removed "
-                                f"({cleanup.bytes_removed / 2**20:,.1f} MiB)")
+                if old := _superseded_before(dataset.versions(), datetime.now() - VERSIONS_KEPT):
+                    cleanup = dataset.cleanup_old_versions(versions=old, error_if_tagged_old_versions=False)
+                    if cleanup.old_versions:
+                        done.append(f"{plural(cleanup.old_versions, 'old version')} removed "
+                                    f"({cleanup.bytes_removed / 2**20:,.1f} MiB)")
             self._table.checkout_latest()
         except (OSError, RuntimeError, ValueError) as error:
             self.optimize_error = _lance_reason(error) if isinstance(error, RuntimeError) else short_reason(error)

@@ -8,7 +8,8 @@ does (about 1M rows). Queries are what a search application sends with no ANN in
 vector and a lookup by id. The tables take turns in every round, so a drift of the machine hits them alike.
 Then a cron job's year: a 100,000-row table built in 10,000-row commits gets --cron-days daily runs of 45
 updates and 5 new rows (LanceDB merge_insert), compacted as the upkeep compacts (into COMPACT_TARGET_ROWS) after
-every run or once COMPACT_SMALL_FRAGMENTS fragments are small: the rows each policy rewrites.
+every run or once COMPACT_SMALL_FRAGMENTS neighbouring fragments are small (mergeable_small, as the upkeep
+counts them): the rows each policy rewrites.
 
     python -m bench.lance_fragments --out bench-out/lance_fragments
 writes results.json and report.md under --out and prints the table.
@@ -27,7 +28,7 @@ import lancedb
 import numpy as np
 import pyarrow as pa
 
-from pipelines.writers import COMPACT_SMALL_FRAGMENTS, COMPACT_TARGET_ROWS
+from pipelines.writers import COMPACT_SMALL_FRAGMENTS, COMPACT_TARGET_ROWS, mergeable_small
 
 DIM = 384
 # (rows, rows per commit, compaction target or None): a build in default commits, in small commits, in one
@@ -60,7 +61,7 @@ def build(db: lancedb.DBConnection, vectors: np.ndarray, rows: int, per_commit: 
 
 
 def cron_rewrites(db: lancedb.DBConnection, days: int, wait_for: int) -> int:
-    """Rows compaction rewrote over `days` of the cron job, compacting once `wait_for` fragments are small."""
+    """Rows compaction rewrote over `days` of the cron job, compacting once `wait_for` neighbouring fragments are small."""
     rng = np.random.default_rng(1)
 
     def rows(ids: list[int]) -> pa.Table:
@@ -77,7 +78,7 @@ def cron_rewrites(db: lancedb.DBConnection, days: int, wait_for: int) -> int:
         table.merge_insert("id").when_matched_update_all().when_not_matched_insert_all().execute(rows(changed))
         dataset = table.to_lance()
         sizes = {fragment.fragment_id: fragment.metadata.physical_rows for fragment in dataset.get_fragments()}
-        if sum(size < COMPACT_TARGET_ROWS for size in sizes.values()) >= wait_for:
+        if mergeable_small(list(sizes.values()), COMPACT_TARGET_ROWS) >= wait_for:
             dataset.optimize.compact_files(target_rows_per_fragment=COMPACT_TARGET_ROWS)
             kept = {fragment.fragment_id for fragment in dataset.get_fragments()}
             rewritten += sum(size for fragment_id, size in sizes.items() if fragment_id not in kept)
@@ -119,7 +120,7 @@ def main() -> None:
     changed = args.cron_days * 50
     lines += ["", f"A cron job of {args.cron_days} daily runs changing 50 rows each ({changed:,} rows) of a "
               "100,000-row table:", "", "| compaction | rows rewritten | times the rows changed |", "|---|---|---|"]
-    lines += [f"| {'after every run' if wait_for == 1 else f'once {wait_for} fragments are small'} | {rows:,} | "
+    lines += [f"| {'after every run' if wait_for == 1 else f'once {wait_for} neighbouring fragments are small'} | {rows:,} | "
               f"{rows / changed:.1f} |" for wait_for, rows in cron.items()]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"lancedb": lancedb.__version__, "rounds": args.rounds,

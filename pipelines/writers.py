@@ -53,12 +53,12 @@ _DELETE_IDS = 1000  # ids per Lance delete predicate
 # A Lance table's upkeep at the end of a run (_LanceStore._tidy). Compaction merges neighbouring fragments under
 # COMPACT_TARGET_ROWS rows (each commit adds one; a cron job's are small) into ones of about that size, the size a
 # build's default commits give them, and rewrites those with a tenth of their rows deleted. Not LanceDB's 1M: its
-# flat search scans fragments in parallel, and 100,000 rows in one fragment took 301 ms a query against 117 in 10
-# and 70 in 100, while 200 fragments of 100 rows cost 48 ms against 23 compacted and id lookups 30 against 6
+# flat search scans fragments in parallel, and 100,000 rows in one fragment took 300 ms a query against 124 in 10
+# and 73 in 100, while 200 fragments of 100 rows cost 48 ms against 25 compacted and id lookups 30 against 7
 # (bench/results/cpu-2026-12-07-lance-fragments).
 COMPACT_TARGET_ROWS = 10_000
-# Compaction waits for this many fragments under COMPACT_TARGET_ROWS: run after each small commit, it would rewrite
-# the growing last fragment every time. A daily cron job changing 50 of 100,000 rows had 98 times the rows it
+# Compaction waits for this many neighbouring fragments under COMPACT_TARGET_ROWS: run after each small commit, it
+# would rewrite the growing last fragment every time. A daily cron job changing 50 of 100,000 rows had 98 times the rows it
 # changed rewritten over 200 days that way, 11 times with this wait (bench.lance_fragments).
 COMPACT_SMALL_FRAGMENTS = 10
 # Rows an index lacks, which every query scans one by one, are added to it from this many: LanceDB's advice
@@ -455,7 +455,7 @@ class _LanceStore:
         self._groups = _Groups(schema, commit_rows)
         self.committed_rows = 0
         self.dropped_indexes: list[str] = []
-        self._may_optimize, self._changed = optimize, False
+        self._may_optimize = optimize
         self.optimized: str | None = None
         self.optimize_error: str | None = None
         self.existing: dict[str, str] = {}
@@ -503,7 +503,6 @@ class _LanceStore:
             else:  # only new ids: a plain append, with no join against the whole table
                 self._table.add(group)
         self.committed_rows += group.num_rows
-        self._changed = True
 
     def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset(),
                restamps: Sequence[pa.Table] = ()) -> int:
@@ -518,7 +517,6 @@ class _LanceStore:
         with _io_errors(self._shown):
             for start in range(0, len(gone), _DELETE_IDS):
                 self._table.delete(_id_in(gone[start:start + _DELETE_IDS]))
-                self._changed = True
             if replace:
                 # Overwritten, the table loses the indexes built on it (LanceDB keeps no recipe to rebuild an ANN
                 # index by): named in the summary, rather than left for slow queries to reveal.
@@ -526,7 +524,7 @@ class _LanceStore:
                 self.dropped_indexes = [f"{index.name}: {index.index_type} on {', '.join(index.columns)}"
                                         for index in (old.list_indices() if old is not None else [])]
                 self._replace()
-        if self._may_optimize and not replace:  # a replacement is written whole, in fragments of the right size
+        if self._may_optimize:
             self._tidy()
         return len(self.replaced - source.keys()) if replace else len(gone)
 
@@ -541,18 +539,19 @@ class _LanceStore:
         lance.write_dataset(stage.scanner().to_reader(), uri, schema=self._schema, mode="overwrite",
                             max_rows_per_file=COMPACT_TARGET_ROWS)
         self._db.drop_table(self._target)
+        self._table = self._open(self._name)
 
     def _tidy(self) -> None:
-        """The upkeep a table needs, each part only where it has work: runs of small fragments compacted once
-        COMPACT_SMALL_FRAGMENTS are under COMPACT_TARGET_ROWS, the rows its indexes lack added once there are
-        INDEX_UNINDEXED_ROWS and, after a run that changed the table, the files of versions that stopped being
-        current over VERSIONS_KEPT ago removed. A run that changed nothing still compacts and indexes when due, so
-        that an upkeep cut short is done by the next run. Sets `optimized` to what it did, if anything, or
-        `optimize_error` to why it failed: the run's rows are committed by then, so a failure does not fail it."""
+        """The upkeep a table needs, each part only where it has work: runs of neighbouring small fragments
+        compacted once COMPACT_SMALL_FRAGMENTS of them are under COMPACT_TARGET_ROWS, the rows its indexes lack
+        added once there are INDEX_UNINDEXED_ROWS, the files of versions replaced over VERSIONS_KEPT ago removed.
+        It runs whether or not the run changed the table, so that an upkeep cut short is done by the next run.
+        Sets `optimized` to what it did, if anything, or `optimize_error` to why it failed: the run's rows are
+        committed by then, so a failure does not fail it."""
         try:
             dataset, done = self._table.to_lance(), []
-            small = sum(fragment.metadata.physical_rows < COMPACT_TARGET_ROWS for fragment in dataset.get_fragments())
-            if small >= COMPACT_SMALL_FRAGMENTS:
+            sizes = [fragment.metadata.physical_rows for fragment in dataset.get_fragments()]
+            if mergeable_small(sizes, COMPACT_TARGET_ROWS) >= COMPACT_SMALL_FRAGMENTS:
                 compaction = dataset.optimize.compact_files(target_rows_per_fragment=COMPACT_TARGET_ROWS)
                 if compaction.fragments_removed:
                     done.append(f"{plural(compaction.fragments_removed, 'fragment')} rewritten as "
@@ -563,12 +562,11 @@ class _LanceStore:
             if unindexed >= INDEX_UNINDEXED_ROWS:
                 dataset.optimize.optimize_indices()
                 done.append(f"its indexes given the {plural(unindexed, 'row')} they lacked")
-            if self._changed or done:
-                if old := _superseded_before(dataset.versions(), datetime.now() - VERSIONS_KEPT):
-                    cleanup = dataset.cleanup_old_versions(versions=old, error_if_tagged_old_versions=False)
-                    if cleanup.old_versions:
-                        done.append(f"{plural(cleanup.old_versions, 'old version')} removed "
-                                    f"({cleanup.bytes_removed / 2**20:,.1f} MiB)")
+            if old := _superseded_before(dataset.versions(), datetime.now() - VERSIONS_KEPT):
+                cleanup = dataset.cleanup_old_versions(versions=old, error_if_tagged_old_versions=False)
+                if cleanup.old_versions:
+                    done.append(f"{plural(cleanup.old_versions, 'old version')} removed "
+                                f"({cleanup.bytes_removed / 2**20:,.1f} MiB)")
             self._table.checkout_latest()
         except (OSError, RuntimeError, ValueError) as error:
             self.optimize_error = _lance_reason(error) if isinstance(error, RuntimeError) else short_reason(error)
@@ -590,6 +588,15 @@ class _LanceStore:
 
     def abort(self) -> None:
         self._groups.take()
+
+
+def mergeable_small(sizes: list[int], target: int) -> int:
+    """How many of the fragments with these row counts, in table order, compaction can merge: those under target
+    beside another such. Lance merges only neighbours, so one stranded between full fragments never is, and
+    counting it would start a compaction after every small commit once ten were stranded."""
+    small = [size < target for size in sizes]
+    return sum(is_small and (before or after)
+               for before, is_small, after in zip([False, *small], small, [*small[1:], False]))
 
 
 def _superseded_before(versions: list[dict], cutoff: datetime) -> list[int]:

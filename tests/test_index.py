@@ -768,13 +768,18 @@ def test_a_lance_tables_small_fragments_are_compacted_once_enough_have_gathered(
 def test_a_rebuilt_lance_table_has_the_fragments_of_a_build(tmp_path: Path, engine: Engine,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """LanceDB's overwrite writes one fragment per million rows, which its flat search scans several times slower
-    than ten of 100,000: the rebuilt table is written in fragments of COMPACT_TARGET_ROWS (10,000; 4 here)."""
+    than ten of 100,000: the rebuilt table is written in fragments of COMPACT_TARGET_ROWS (10,000; 4 here). Its
+    upkeep removes the versions replaced over VERSIONS_KEPT ago (7 days; none here), the old table's whole copy
+    among them, as after any run."""
     monkeypatch.setattr(writers, "COMPACT_TARGET_ROWS", 4)
+    monkeypatch.setattr(writers, "VERSIONS_KEPT", timedelta(0))
     source = write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(11)])
     index(engine, source, f"{tmp_path}/x.lance", commit_rows=11)
     assert fragments(tmp_path, "x") == [11]
-    assert index(engine, source, f"{tmp_path}/x.lance", rebuild=True).updated == 11
+    rebuilt = index(engine, source, f"{tmp_path}/x.lance", rebuild=True)
+    assert rebuilt.updated == 11 and re.fullmatch(r"1 old version removed \(\d+\.\d MiB\)", rebuilt.optimized)
     assert fragments(tmp_path, "x") == [4, 4, 3]
+    assert len(lancedb.connect(tmp_path).open_table("x").list_versions()) == 1
     assert sorted(row["id"] for row in sorted_rows(f"{tmp_path}/x.lance")) == sorted(f"d{i}" for i in range(11))
 
 
@@ -813,6 +818,14 @@ def test_a_lance_tables_old_versions_are_removed_at_the_end_of_the_run_that_chan
     table = lancedb.connect(tmp_path).open_table("x")
     assert len(table.list_versions()) == 1 and table.count_rows() == 6
     assert table.search().where("id = 'd0'").to_arrow().column("n_tokens").to_pylist() == [5]  # another text .
+
+
+def test_only_neighbouring_small_fragments_count_toward_a_compaction() -> None:
+    """Lance merges neighbours only: a small fragment between full ones never merges, so it must not count."""
+    assert writers.mergeable_small([10, 5, 10, 5, 5, 3], 10) == 3
+    assert writers.mergeable_small([5, 10, 5], 10) == 0
+    assert writers.mergeable_small([5, 5], 10) == 2
+    assert writers.mergeable_small([], 10) == 0
 
 
 def test_only_versions_replaced_before_the_cutoff_are_old() -> None:

@@ -21,6 +21,7 @@ embed (pipelines/index.py does) and takes no lock (pipelines/lock.py; lock_file(
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import re
@@ -49,6 +50,7 @@ _ROW_GROUP_BYTES = 32 << 20
 _PART_NAME = re.compile(r"part-(\d+)\.parquet$")
 _TMP = ".tmp-"  # prefix of a Parquet part not yet committed; hidden from readers
 _REBUILD = ".rebuild"  # where a directory rebuild stages its parts; a Lance rebuild's table is .NAME.rebuild
+_SWAP = ".swap.json"  # in a directory rebuild's stage: the old parts its swap removes, for a run after a crash
 _DELETE_IDS = 1000  # ids per Lance delete predicate
 # A Lance table's upkeep at the end of a run (_LanceStore._tidy). Compaction merges neighbouring fragments under
 # COMPACT_TARGET_ROWS rows (each commit adds one; a cron job's are small) into ones of about that size, the size a
@@ -624,6 +626,7 @@ class _ParquetDirStore:
         self._shown, self._fs, self._root, self._schema = shown, fs, path, schema
         self._path = path
         with _io_errors(shown):
+            self._finish_swap()  # a rebuild's, cut short by a crash: before anything reads the parts
             old_parts = self._parts(path)
             schemas = [_read_schema(fs, part, shown) for part in old_parts]
             for old in schemas:
@@ -694,15 +697,28 @@ class _ParquetDirStore:
     def _swap_in(self) -> None:
         """Move the staged parts into the directory, numbered after the old ones, then remove the old ones.
 
-        Not atomic across files: a crash between the two steps leaves old and new parts side by side,
-        which the next run with --rebuild replaces."""
-        old = self._parts(self._root)
-        number = _part_number(old[-1]) + 1 if old else 0
-        for offset, part in enumerate(self._parts(self._path)):
+        Not atomic across files, so the old parts' names are written into the stage first: a crash in between
+        leaves old and new parts side by side for readers until the next run, whatever its options, finishes
+        the swap (_finish_swap) before it reads the parts."""
+        old = [posixpath.basename(part) for part in self._parts(self._root)]
+        self._fs.pipe_file(posixpath.join(self._path, _TMP + _SWAP), json.dumps(old).encode())
+        self._fs.mv(posixpath.join(self._path, _TMP + _SWAP), posixpath.join(self._path, _SWAP))
+        self._finish_swap()
+
+    def _finish_swap(self) -> None:
+        """The swap a stage's list of old parts asks for: the staged parts moved in, numbered after every part
+        there, the listed old parts removed, the stage removed. Nothing when no swap was begun."""
+        stage = posixpath.join(self._root, _REBUILD)
+        if not self._fs.exists(listing := posixpath.join(stage, _SWAP)):
+            return
+        old = json.loads(self._fs.cat_file(listing))
+        present = self._parts(self._root)
+        number = _part_number(present[-1]) + 1 if present else 0
+        for offset, part in enumerate(self._parts(stage)):
             self._fs.mv(part, posixpath.join(self._root, f"part-{number + offset:05d}.parquet"))
-        if old:
-            self._fs.rm(old)
-        self._fs.rm(self._path, recursive=True)
+        if doomed := [path for name in old if self._fs.exists(path := posixpath.join(self._root, name))]:
+            self._fs.rm(doomed)
+        self._fs.rm(stage, recursive=True)
 
     def abort(self) -> None:
         self._groups.take()

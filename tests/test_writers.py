@@ -218,6 +218,43 @@ def test_parquet_dir_keeps_one_copy_per_id_after_a_kill_between_commit_and_clean
     assert table.column("content_key").to_pylist() == ["k-a", "k-b2"]
 
 
+def parts(tmp_path) -> list[str]:
+    return sorted(name for name in os.listdir(tmp_path / "dir") if name.endswith(".parquet"))
+
+
+def test_a_rebuilds_swap_cut_short_is_finished_by_the_next_run(tmp_path, monkeypatch):
+    """The swap moves the staged parts in, then removes the old ones, having listed them in the stage first: after
+    a crash between the moves, the next run, a plain one too, finishes it before it reads the parts."""
+    old_store = open_store(f"{tmp_path}/dir/", schema(), commit_rows=1)
+    old_store.write(batch(["old1", "old2"]))
+    old_store.finish({"old1": "k-old1", "old2": "k-old2"}, prune=False)
+    other = schema(META | {"embedctl.weights_sha256": "new"})
+    store = open_store(f"{tmp_path}/dir/", other, rebuild=True, commit_rows=1)
+    store.write(batch(["new1", "new2", "new3"], sch=other))
+    moved = []
+    move = store._fs.mv
+
+    def crash_after_two_moves(source, target, *args, **kwargs):  # the list of old parts, then one staged part
+        if len(moved) == 2:
+            raise KeyboardInterrupt  # a kill: nothing of the run's own handling runs
+        moved.append(target)
+        return move(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(store._fs, "mv", crash_after_two_moves)
+    with pytest.raises(KeyboardInterrupt):
+        store.finish({"new1": "k-new1", "new2": "k-new2", "new3": "k-new3"}, prune=False)
+    monkeypatch.undo()
+    assert ids_of(tmp_path, "dir/") == ["new1", "old1", "old2"]  # what readers see until the next run
+    assert parts(tmp_path) == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+
+    after = open_store(f"{tmp_path}/dir/", other)  # no --rebuild: the swap is finished all the same
+    assert after.existing == {i: f"k-{i}" for i in ("new1", "new2", "new3")}
+    assert parts(tmp_path) == ["part-00002.parquet", "part-00003.parquet", "part-00004.parquet"]
+    assert ids_of(tmp_path, "dir/") == ["new1", "new2", "new3"]
+    assert read_back(tmp_path, "dir/").schema.metadata[b"embedctl.weights_sha256"] == b"new"
+    assert sorted(os.listdir(tmp_path / "dir")) == parts(tmp_path)  # no stage left
+
+
 @pytest.mark.parametrize("kind", GROUPED)
 def test_a_first_rebuild_cut_short_resumes_from_its_stage(tmp_path, kind):
     """With no output yet, --rebuild still stages its groups, so the same command run again goes on from them."""

@@ -115,7 +115,7 @@ def index(
     rebuild: Annotated[bool, typer.Option(help="Re-embed every row and replace --out at the end, atomically (to change the model or its settings).")] = False,
     prune: Annotated[bool, typer.Option(help="Delete rows whose ids are no longer in SOURCE (refused when SOURCE holds no rows at all).")] = False,
     commit_rows: Annotated[int, typer.Option(help="Commit every N embedded rows: a killed run loses what it embedded since its last commit, and the same command resumes.")] = 10_000,
-    optimize: Annotated[bool, typer.Option(help="Tidy a LanceDB table at the end: compact fragments under 10,000 rows once there are 10, add rows to its indexes once 100,000 lack them, remove the files of versions replaced over 7 days ago.")] = True,
+    optimize: Annotated[bool, typer.Option(help="Tidy the output at the end: a LanceDB table's fragments under 10,000 rows compacted once there are 10, rows added to its indexes once 100,000 lack them, the files of versions replaced over 7 days ago removed; a Parquet directory's parts under 10,000 rows merged once there are 10.")] = True,
     doc_prompt: Annotated[Optional[str], typer.Option(help="Text put before every document, e.g. 'passage: ' (default: the model's 'document' prompt, if any).")] = None,
     doc_prompt_name: Annotated[Optional[str], typer.Option(help="Name of a prompt in the model's sentence-transformers config, for documents.")] = None,
     overwrite: Annotated[bool, typer.Option(hidden=True)] = False,

@@ -78,7 +78,7 @@ class IndexOptions:
     rebuild: bool = False  # re-embed everything and replace the output at the end
     prune: bool = False  # delete rows whose ids are no longer in the source
     commit_rows: int = 10_000  # embedded rows per commit: what a kill can lose
-    optimize: bool = True  # tidy a LanceDB table at the end (writers._LanceStore._tidy)
+    optimize: bool = True  # tidy a LanceDB table or a Parquet directory at the end (the stores' _tidy)
     on_long: str = "truncate"  # truncate | error
     on_empty: str = "skip"  # skip | error
     on_duplicate: str = "error"  # error | skip
@@ -118,7 +118,7 @@ class IndexReport:
     graphs: dict = field(default_factory=dict)
     not_written: str | None = None  # why the run left the output alone, when it could not write it
     dropped_indexes: list[str] = field(default_factory=list)  # a LanceDB table's indexes that a rebuild replaced
-    optimized: str | None = None  # what tidying a LanceDB table at the end of the run did, if anything
+    optimized: str | None = None  # what tidying the output at the end of the run did, if anything
     optimize_error: str | None = None  # why tidying it failed, if it did (the run's rows are committed)
 
     @property

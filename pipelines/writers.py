@@ -7,10 +7,10 @@ groups of commit_rows rows, each group atomically: a Lance version (merge_insert
 holds ids the table already has), or a Parquet part written under a temporary name and renamed into
 place. finish() commits the rest, gives stored rows whose kept columns alone changed their new kept values and
 content keys (restamps: their vectors stay), removes rows that the run superseded, emptied or pruned, for a
-rebuild swaps the replacement in, and tidies a LanceDB table (small fragments compacted, rows added to its
-indexes, old versions' files removed). abort() drops what is not committed. Committed groups stay through a failure
-or a kill: that partial output is what lets the next run resume, and it is the one state in which an
-output holds part of a run.
+rebuild swaps the replacement in, and tidies the output: a LanceDB table's small fragments compacted, rows added
+to its indexes and old versions' files removed, a Parquet directory's small parts merged. abort() drops what is
+not committed. Committed groups stay through a failure or a kill: that partial output is what lets the next run
+resume, and it is the one state in which an output holds part of a run.
 
 A single Parquet file cannot grow in place: it is rewritten whole (new rows, then the old rows that
 stay) under a temporary name and renamed at finish, so it commits once and a killed run starts over.
@@ -52,12 +52,13 @@ _TMP = ".tmp-"  # prefix of a Parquet part not yet committed; hidden from reader
 _REBUILD = ".rebuild"  # where a directory rebuild stages its parts; a Lance rebuild's table is .NAME.rebuild
 _SWAP = ".swap.json"  # in a directory rebuild's stage: the old parts its swap removes, for a run after a crash
 _DELETE_IDS = 1000  # ids per Lance delete predicate
-# A Lance table's upkeep at the end of a run (_LanceStore._tidy). Compaction merges neighbouring fragments under
-# COMPACT_TARGET_ROWS rows (each commit adds one; a cron job's are small) into ones of about that size, the size a
-# build's default commits give them, and rewrites those with a tenth of their rows deleted. Not LanceDB's 1M: its
-# flat search scans fragments in parallel, and 100,000 rows in one fragment took 300 ms a query against 124 in 10
-# and 73 in 100, while 200 fragments of 100 rows cost 48 ms against 25 compacted and id lookups 30 against 7
-# (bench/results/cpu-2026-12-07-lance-fragments).
+# A Lance table's upkeep at the end of a run (_LanceStore._tidy), and a Parquet directory's (_ParquetDirStore._tidy,
+# by the same sizes: readers open each part, and finish rewrites a whole part for any of its rows that changed).
+# Compaction merges neighbouring fragments under COMPACT_TARGET_ROWS rows (each commit adds one; a cron job's are
+# small) into ones of about that size, the size a build's default commits give them, and rewrites those with a tenth
+# of their rows deleted. Not LanceDB's 1M: its flat search scans fragments in parallel, and 100,000 rows in one
+# fragment took 300 ms a query against 124 in 10 and 73 in 100, while 200 fragments of 100 rows cost 48 ms against
+# 25 compacted and id lookups 30 against 7 (bench/results/cpu-2026-12-07-lance-fragments).
 COMPACT_TARGET_ROWS = 10_000
 # Compaction waits for this many neighbouring fragments under COMPACT_TARGET_ROWS: run after each small commit, it
 # would rewrite the growing last fragment every time. A daily cron job changing 50 of 100,000 rows had 98 times the rows it
@@ -206,8 +207,9 @@ def _as_stored(values: pa.ChunkedArray, stored_type: pa.DataType) -> pa.ChunkedA
 def open_store(out: str, schema: pa.Schema, table: str | None = None, rebuild: bool = False,
                commit_rows: int = 10_000, optimize: bool = True) -> VectorStore:
     """A store for out; raises UserError, before changing anything, if out cannot take this schema. With
-    optimize, a LanceDB table gets its upkeep at finish (_LanceStore._tidy): compaction of small fragments, rows
-    added to its indexes, old versions' files removed.
+    optimize, the output gets its upkeep at finish: a LanceDB table's small fragments compacted, rows added to its
+    indexes, old versions' files removed (_LanceStore._tidy); a Parquet directory's small parts merged
+    (_ParquetDirStore._tidy).
 
     finish(source, prune, emptied, restamps) takes the id -> content_key of every row of the run's source, the
     ids the source lists with an empty text and the Restamps tables, and returns how many ids it deleted: those
@@ -219,7 +221,7 @@ def open_store(out: str, schema: pa.Schema, table: str | None = None, rebuild: b
         return _LanceStore(shown, *lance, schema, rebuild, commit_rows, optimize)
     fs, path, is_dir = _locate(out)
     if is_dir:
-        return _ParquetDirStore(out, fs, path.rstrip("/"), schema, rebuild, commit_rows)
+        return _ParquetDirStore(out, fs, path.rstrip("/"), schema, rebuild, commit_rows, optimize)
     if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
         path = _followed(path)  # a symbolic link (a "current" link) keeps pointing at the file it names
     return _ParquetFileStore(out, fs, path, schema, rebuild)
@@ -601,6 +603,22 @@ def mergeable_small(sizes: list[int], target: int) -> int:
                for before, is_small, after in zip([False, *small], small, [*small[1:], False]))
 
 
+def small_part_groups(rows: list[int], target: int) -> list[list[int]]:
+    """The indexes of the parts with these row counts that a merge joins, in groups of two or more in part order:
+    parts under target, each group as many as stay within target rows."""
+    groups: list[list[int]] = [[]]
+    total = 0
+    for index, count in enumerate(rows):
+        if count >= target:
+            continue
+        if total + count > target:
+            groups.append([])
+            total = 0
+        groups[-1].append(index)
+        total += count
+    return [group for group in groups if len(group) > 1]
+
+
 def _superseded_before(versions: list[dict], cutoff: datetime) -> list[int]:
     """The numbers of the table versions that a later version replaced before cutoff: no reader has been on them
     since. (Lance's own older_than goes by when a version was made, which would take the version a table was on
@@ -619,12 +637,14 @@ class _ParquetDirStore:
     part. A rebuild stages its parts in DIR/.rebuild and moves them in at finish, after the old parts."""
 
     dropped_indexes: Sequence[str] = ()  # Parquet holds no indexes
-    optimized = optimize_error = None  # nor a LanceDB table's upkeep
 
     def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema,
-                 rebuild: bool, commit_rows: int) -> None:
+                 rebuild: bool, commit_rows: int, optimize: bool = True) -> None:
         self._shown, self._fs, self._root, self._schema = shown, fs, path, schema
         self._path = path
+        self._may_optimize = optimize
+        self.optimized: str | None = None
+        self.optimize_error: str | None = None
         with _io_errors(shown):
             self._finish_swap()  # a rebuild's, cut short by a crash: before anything reads the parts
             old_parts = self._parts(path)
@@ -692,6 +712,8 @@ class _ParquetDirStore:
                     _replace(self._fs, part, whole.filter(pa.array(stays)))
             if replace:
                 self._swap_in()
+        if self._may_optimize:
+            self._tidy()
         return len(self.replaced - source.keys()) if replace else len(survivors.deleted)
 
     def _swap_in(self) -> None:
@@ -720,6 +742,32 @@ class _ParquetDirStore:
             self._fs.rm(doomed)
         self._fs.rm(stage, recursive=True)
 
+    def _tidy(self) -> None:
+        """Small parts merged, in part order, into parts of up to COMPACT_TARGET_ROWS rows, once
+        COMPACT_SMALL_FRAGMENTS of them would be (the rule of a Lance table's compaction, for its reasons). Each
+        merged part is written over the newest of its parts, then the others are removed: a crash in between
+        leaves their rows twice, equal copies, which the next run's finish removes, as it removes those of a crash
+        mid-finish. A year of a cron job's daily parts cost an unchanged run 0.89 s of reading ids and keys against
+        0.10 merged, and pyarrow's scan 223 ms against 111 (bench/results/cpu-2026-12-07-parquet-parts). Sets
+        `optimized` to what it did, if anything, or `optimize_error` to why it failed, as a Lance table's upkeep
+        does."""
+        try:
+            parts = self._parts(self._root)
+            rows = [pq.read_metadata(part, filesystem=self._fs).num_rows for part in parts]
+            groups = small_part_groups(rows, COMPACT_TARGET_ROWS)
+            merged = sum(map(len, groups))
+            if merged < COMPACT_SMALL_FRAGMENTS:
+                return
+            for group in groups:
+                tables = [pq.read_table(parts[i], filesystem=self._fs) for i in group]
+                newest = parts[group[-1]]
+                _replace(self._fs, newest, pa.concat_tables(tables).replace_schema_metadata(tables[-1].schema.metadata))
+                self._fs.rm([parts[i] for i in group[:-1]])
+        except (OSError, pa.ArrowInvalid) as error:
+            self.optimize_error = short_reason(error)
+            return
+        self.optimized = f"{plural(merged, 'part')} merged into {len(groups):,}"
+
     def abort(self) -> None:
         self._groups.take()
 
@@ -728,7 +776,7 @@ class _ParquetFileStore:
     """One Parquet file, rewritten whole beside the output and renamed onto it at finish."""
 
     dropped_indexes: Sequence[str] = ()  # Parquet holds no indexes
-    optimized = optimize_error = None  # nor a LanceDB table's upkeep
+    optimized = optimize_error = None  # rewritten whole every run, it needs no upkeep
 
     def __init__(self, shown: str, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema, rebuild: bool) -> None:
         self._shown, self._fs, self._path, self._schema = shown, fs, path, schema

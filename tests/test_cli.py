@@ -771,19 +771,23 @@ def test_rows_numbered_for_want_of_the_id_column_are_named_in_the_summary_and_re
     assert json.loads((tmp_path / "r.json").read_text())["numbered_files"] == 1
 
 
-def test_a_cron_job_leaves_a_lance_table_of_many_commits_optimized_unless_told_not_to(tmp_path: Path) -> None:
-    """Twenty commits of one row each make twenty small fragments: the run that makes them ends by compacting them
-    and says so; --no-optimize leaves them, for users who keep a table's upkeep to themselves."""
+def test_a_cron_job_leaves_an_output_of_many_commits_optimized_unless_told_not_to(tmp_path: Path) -> None:
+    """Twenty commits of one row each make twenty small fragments of a LanceDB table, or parts of a Parquet
+    directory: the run that makes them ends by merging them and says so; --no-optimize leaves them, for users who
+    keep an output's upkeep to themselves."""
     write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(20)])
-    jobs = [(["docs.jsonl", "--out", out, "--commit-rows", "1", "--report", f"{out}.json", *flags], tmp_path)
-            for out, flags in (("x.lance", []), ("y.lance", ["--no-optimize"]))]
-    optimized, left = run_side_by_side(jobs)
-    assert optimized.returncode == left.returncode == 0, optimized.stderr + left.stderr
+    jobs = [(["docs.jsonl", "--out", out, "--commit-rows", "1", "--report", f"{out.strip('/')}.json", *flags], tmp_path)
+            for out, flags in (("x.lance", []), ("y.lance", ["--no-optimize"]), ("parts/", []))]
+    optimized, left, merged = run_side_by_side(jobs)
+    assert optimized.returncode == left.returncode == merged.returncode == 0, optimized.stderr + left.stderr + merged.stderr
     assert "-> x.lance; table optimized: 20 fragments rewritten as 1" in optimized.stderr
     assert json.loads((tmp_path / "x.lance.json").read_text())["optimized"] == "20 fragments rewritten as 1"
     assert json.loads((tmp_path / "y.lance.json").read_text())["optimized"] is None
     fragments = [lancedb.connect(tmp_path).open_table(name).stats()["fragment_stats"]["num_fragments"] for name in "xy"]
     assert fragments == [1, 20]
+    assert "-> parts/; table optimized: 20 parts merged into 1" in merged.stderr
+    assert [path.name for path in (tmp_path / "parts").iterdir()] == ["part-00019.parquet"]
+    assert pq.read_table(tmp_path / "parts").num_rows == 20
 
 
 # Ctrl-C and SIGTERM

@@ -765,6 +765,41 @@ def test_a_lance_tables_small_fragments_are_compacted_once_enough_have_gathered(
     assert (unchanged.unchanged, unchanged.optimized) == (11, "3 fragments rewritten as 1")
 
 
+def test_a_parquet_directorys_small_parts_are_merged_once_enough_have_gathered(
+        tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each commit adds a part, as to a Lance table a fragment, and by the same rule: once COMPACT_SMALL_FRAGMENTS
+    (10; 3 here) parts under COMPACT_TARGET_ROWS rows (10,000; 4 here) would merge, the run ends by merging them,
+    each group of up to that many rows into one part, and says so. A directory left alone (--no-optimize) holds
+    the same rows, and the next run that may tidy it does, though it changed nothing."""
+    monkeypatch.setattr(writers, "COMPACT_TARGET_ROWS", 4)
+    monkeypatch.setattr(writers, "COMPACT_SMALL_FRAGMENTS", 3)
+
+    def texts(n: int) -> Path:
+        return write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(n)])
+
+    def part_rows(out: str) -> list[int]:
+        return [pq.read_metadata(part).num_rows for part in sorted(Path(out).glob("*.parquet"))]
+
+    out, left = f"{tmp_path}/x/", f"{tmp_path}/left/"
+    for count, commit_rows in ((8, 4), (10, 1)):
+        assert index(engine, texts(count), out, commit_rows=commit_rows).optimized is None
+        assert index(engine, texts(count), left, commit_rows=commit_rows, optimize=False).optimized is None
+    assert part_rows(out) == [4, 4, 1, 1]  # two small ones: not yet
+    report = index(engine, texts(13), out, commit_rows=1)
+    assert report.optimized == "4 parts merged into 1"
+    assert report.summary().endswith(f" -> {out}; table optimized: 4 parts merged into 1")
+    assert part_rows(out) == [4, 4, 4, 1]
+    assert index(engine, texts(13), out, commit_rows=1).optimized is None
+    assert index(engine, texts(13), left, commit_rows=1, optimize=False).optimized is None
+    assert part_rows(left) == [4, 4, 1, 1, 1, 1, 1]
+    rows, expected = sorted_rows(out), sorted_rows(left)
+    assert [row["id"] for row in rows] == [row["id"] for row in expected] == sorted(f"d{i}" for i in range(13))
+    np.testing.assert_allclose([row["vector"] for row in rows], [row["vector"] for row in expected], atol=1e-6)
+    unchanged = index(engine, texts(13), left)
+    assert (unchanged.unchanged, unchanged.optimized) == (13, "4 parts merged into 1")
+    assert part_rows(left) == [4, 4, 4, 1]
+
+
 def test_a_rebuilt_lance_table_has_the_fragments_of_a_build(tmp_path: Path, engine: Engine,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """LanceDB's overwrite writes one fragment per million rows, which its flat search scans several times slower

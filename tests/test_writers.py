@@ -222,6 +222,42 @@ def parts(tmp_path) -> list[str]:
     return sorted(name for name in os.listdir(tmp_path / "dir") if name.endswith(".parquet"))
 
 
+def test_small_parts_merge_in_part_order_in_groups_that_stay_within_the_target():
+    assert writers.small_part_groups([100, 100, 100, 20_000, 5_000, 6_000, 3_000], 10_000) == [[0, 1, 2, 4], [5, 6]]
+    assert writers.small_part_groups([6_000, 6_000, 10_000], 10_000) == []  # no two fit in one
+    assert writers.small_part_groups([5_000, 5_000], 10_000) == [[0, 1]]
+    assert writers.small_part_groups([], 10_000) == []
+
+
+def test_a_merge_of_parts_cut_short_leaves_equal_copies_that_the_next_run_removes(tmp_path, monkeypatch):
+    """The merged part is written over the newest of its parts before the others go: a failure in between (a
+    full disk) leaves rows twice, equal copies, which is told as the upkeep's error; the next run keeps one."""
+    ids = [f"r{i}" for i in range(12)]
+    store = open_store(f"{tmp_path}/dir/", schema(), commit_rows=1, optimize=False)
+    store.write(batch(ids))
+    store.finish({i: f"k-{i}" for i in ids}, prune=False)
+    assert len(parts(tmp_path)) == 12
+    before = read_back(tmp_path, "dir/").sort_by("id")
+
+    store = open_store(f"{tmp_path}/dir/", schema())
+    fs = store._fs
+
+    def full_disk(paths, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fs, "rm", full_disk)
+    assert store.finish({i: f"k-{i}" for i in ids}, prune=False) == 0
+    assert (store.optimized, store.optimize_error) == (None, "[Errno 28] No space left on device")
+    assert len(parts(tmp_path)) == 12 and read_back(tmp_path, "dir/").num_rows == 23  # part-00011 now holds all 12
+    monkeypatch.undo()
+
+    store = open_store(f"{tmp_path}/dir/", schema())
+    assert store.existing == {i: f"k-{i}" for i in ids}
+    store.finish({i: f"k-{i}" for i in ids}, prune=False)
+    assert parts(tmp_path) == ["part-00011.parquet"] and store.optimized is None
+    assert read_back(tmp_path, "dir/").sort_by("id").equals(before)
+
+
 def test_a_rebuilds_swap_cut_short_is_finished_by_the_next_run(tmp_path, monkeypatch):
     """The swap moves the staged parts in, then removes the old ones, having listed them in the stage first: after
     a crash between the moves, the next run, a plain one too, finishes it before it reads the parts."""

@@ -98,8 +98,9 @@ def output_schema(dim: int, kept: pa.Schema | None, metadata: dict[str, str],
 
 
 def stored_kept(out: str, table: str | None = None) -> pa.Schema | None:
-    """The kept columns of the output at out as it stands (those output_schema adds to its own); None
-    where there is no output yet, or one that open_store will refuse (it says why)."""
+    """The kept columns of the output at out as it stands (those output_schema adds to its own), read from its
+    newest part for a Parquet directory (one a rebuild left staged, where a crash cut its swap short: open_store
+    finishes that swap); None where there is no output yet, or one that open_store will refuse (it says why)."""
     try:
         if (lance := lance_table(out, table)) is not None:
             import lancedb
@@ -107,10 +108,14 @@ def stored_kept(out: str, table: str | None = None) -> pa.Schema | None:
             schema = lancedb.connect(lance[0]).open_table(lance[1]).schema
         else:
             fs, path, is_dir = _locate(out)
-            files = table_parts(fs, path.rstrip("/")) if is_dir and fs.isdir(path) else [path] if fs.isfile(path) else []
+            if is_dir:
+                root = path.rstrip("/")
+                files = table_parts(fs, root) + _staged_for_swap(fs, root) if fs.isdir(root) else []
+            else:
+                files = [path] if fs.isfile(path) else []
             if not files:
                 return None
-            schema = _read_schema(fs, files[0], out)
+            schema = _read_schema(fs, files[-1], out)
     except (UserError, ValueError, RuntimeError, OSError, ImportError):
         return None
     if CONTENT_KEY not in schema.names:  # not embedctl's
@@ -333,6 +338,12 @@ def _parquet_names(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
     except OSError:
         return []
     return sorted(name for name in names if name.endswith(".parquet") and not name.startswith(_TMP))
+
+
+def _staged_for_swap(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """The parts a directory rebuild's stage still holds, where a crash cut its swap short; none otherwise."""
+    stage = posixpath.join(root, _REBUILD)
+    return table_parts(fs, stage) if fs.exists(posixpath.join(stage, _SWAP)) else []
 
 
 def _parts_in(folder: str) -> bool:
@@ -634,7 +645,9 @@ def _id_in(ids: Sequence[str]) -> str:
 
 class _ParquetDirStore:
     """A directory whose *.parquet files are the table (other files are left alone); each group is a new
-    part. A rebuild stages its parts in DIR/.rebuild and moves them in at finish, after the old parts."""
+    part. A rebuild stages its parts in DIR/.rebuild and moves them in at finish, after the old parts; a rebuild
+    run again with the same settings after a crash mid-swap goes on from what that swap brought in (as one cut
+    short earlier goes on from its stage)."""
 
     dropped_indexes: Sequence[str] = ()  # Parquet holds no indexes
 
@@ -646,13 +659,14 @@ class _ParquetDirStore:
         self.optimized: str | None = None
         self.optimize_error: str | None = None
         with _io_errors(shown):
-            self._finish_swap()  # a rebuild's, cut short by a crash: before anything reads the parts
+            swapped = self._finish_swap()  # a rebuild's, cut short by a crash: before anything reads the parts
             old_parts = self._parts(path)
             schemas = [_read_schema(fs, part, shown) for part in old_parts]
             for old in schemas:
                 _refuse_foreign(shown, old)
             self.replaced: set[str] = set()
-            if rebuild:  # staged even with no old parts, so that a killed first build resumes from its stage
+            self._rebuilt_in_place = rebuild and swapped and not any(_incompatibility(old, schema) for old in schemas)
+            if rebuild and not self._rebuilt_in_place:  # staged even with no old parts: a killed first build resumes
                 self.replaced = {row_id for part in old_parts for row_id in _ids(fs, part)}
                 self._path = posixpath.join(path, _REBUILD)
                 if any(_incompatibility(_read_schema(fs, p, shown), schema) for p in self._parts(self._path)):
@@ -660,7 +674,7 @@ class _ParquetDirStore:
             else:
                 for old in schemas:
                     _check_compatible(shown, old, schema)
-            for leftover in self._listing(self._path):  # parts a killed run did not commit
+            for leftover in {*self._listing(path), *self._listing(self._path)}:  # parts a killed run did not commit
                 if posixpath.basename(leftover).startswith(_TMP):
                     fs.rm(leftover, recursive=True)
             parts = self._parts(self._path)
@@ -670,6 +684,8 @@ class _ParquetDirStore:
                 stored = pq.read_table(part, columns=["id", CONTENT_KEY], filesystem=fs)
                 for row_id, key in zip(stored.column("id").to_pylist(), stored.column(CONTENT_KEY).to_pylist()):
                     self.existing.setdefault(row_id, key)
+            if self._rebuilt_in_place:  # its rows are the old output for this run, which keeps only the source's
+                self.replaced = set(self.existing)
         self._groups = _Groups(schema, commit_rows)
         self.committed_rows = 0
 
@@ -696,7 +712,7 @@ class _ParquetDirStore:
         replace = self._path != self._root
         if (group := self._groups.take()) is not None:
             self._commit(group)
-        survivors = _Survivors(source, prune or replace, emptied)
+        survivors = _Survivors(source, prune or replace or self._rebuilt_in_place, emptied)
         restamped = Restamps(restamps)
         with _io_errors(self._shown):
             self._fs.makedirs(self._path, exist_ok=True)
@@ -727,13 +743,19 @@ class _ParquetDirStore:
         self._fs.mv(posixpath.join(self._path, _TMP + _SWAP), posixpath.join(self._path, _SWAP))
         self._finish_swap()
 
-    def _finish_swap(self) -> None:
+    def _finish_swap(self) -> bool:
         """The swap a stage's list of old parts asks for: the staged parts moved in, numbered after every part
-        there, the listed old parts removed, the stage removed. Nothing when no swap was begun."""
+        there, the listed old parts removed, the stage removed. Whether there was one to finish."""
         stage = posixpath.join(self._root, _REBUILD)
         if not self._fs.exists(listing := posixpath.join(stage, _SWAP)):
-            return
-        old = json.loads(self._fs.cat_file(listing))
+            return False
+        try:
+            old = json.loads(self._fs.cat_file(listing))
+        except ValueError:  # cut short by a power loss
+            old = None
+        if not isinstance(old, list) or not all(isinstance(name, str) for name in old):
+            raise UserError(f"cannot read {listing}, the list of the old parts that a --rebuild was replacing when it "
+                            f"was cut short; remove the folder {stage} and run with --rebuild")
         present = self._parts(self._root)
         number = _part_number(present[-1]) + 1 if present else 0
         for offset, part in enumerate(self._parts(stage)):
@@ -741,32 +763,34 @@ class _ParquetDirStore:
         if doomed := [path for name in old if self._fs.exists(path := posixpath.join(self._root, name))]:
             self._fs.rm(doomed)
         self._fs.rm(stage, recursive=True)
+        return True
 
     def _tidy(self) -> None:
         """Small parts merged, in part order, into parts of up to COMPACT_TARGET_ROWS rows, once
-        COMPACT_SMALL_FRAGMENTS of them would be (the rule of a Lance table's compaction, for its reasons). Each
-        merged part is written over the newest of its parts, then the others are removed: a crash in between
-        leaves their rows twice, equal copies, which the next run's finish removes, as it removes those of a crash
-        mid-finish. A year of a cron job's daily parts cost an unchanged run 0.89 s of reading ids and keys against
-        0.10 merged, and pyarrow's scan 223 ms against 111 (bench/results/cpu-2026-12-07-parquet-parts). Sets
-        `optimized` to what it did, if anything, or `optimize_error` to why it failed, as a Lance table's upkeep
-        does."""
+        COMPACT_SMALL_FRAGMENTS of them would be: a Lance table's sizes, counted among all small parts (any two
+        parts may merge, where Lance merges only neighbouring fragments). Each merged part is written over the
+        newest of its parts, then the others are removed: a crash in between leaves their rows twice, equal copies
+        that readers see until the next run's finish removes them, as it removes those of a crash mid-finish. A year
+        of a cron job's daily parts cost an unchanged run 0.89 s of reading ids and keys against 0.10 merged, and
+        pyarrow's scan 223 ms against 111 (bench/results/cpu-2026-12-07-parquet-parts). Sets `optimized` to what it
+        did, if anything, and `optimize_error` to why it failed, as a Lance table's upkeep does."""
+        merged = into = 0
         try:
             parts = self._parts(self._root)
-            rows = [pq.read_metadata(part, filesystem=self._fs).num_rows for part in parts]
-            groups = small_part_groups(rows, COMPACT_TARGET_ROWS)
-            merged = sum(map(len, groups))
-            if merged < COMPACT_SMALL_FRAGMENTS:
+            groups = small_part_groups([pq.read_metadata(part, filesystem=self._fs).num_rows for part in parts],
+                                       COMPACT_TARGET_ROWS)
+            if sum(map(len, groups)) < COMPACT_SMALL_FRAGMENTS:
                 return
             for group in groups:
                 tables = [pq.read_table(parts[i], filesystem=self._fs) for i in group]
-                newest = parts[group[-1]]
-                _replace(self._fs, newest, pa.concat_tables(tables).replace_schema_metadata(tables[-1].schema.metadata))
+                whole = pa.concat_tables(tables).replace_schema_metadata(tables[-1].schema.metadata)
+                _replace(self._fs, parts[group[-1]], whole)
                 self._fs.rm([parts[i] for i in group[:-1]])
-        except (OSError, pa.ArrowInvalid) as error:
+                merged, into = merged + len(group), into + 1
+        except (OSError, pa.ArrowException) as error:
             self.optimize_error = short_reason(error)
-            return
-        self.optimized = f"{plural(merged, 'part')} merged into {len(groups):,}"
+        finally:
+            self.optimized = f"{plural(merged, 'part')} merged into {into:,}" if merged else None
 
     def abort(self) -> None:
         self._groups.take()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import fsspec.implementations.local
 import lancedb
 import numpy as np
 import pyarrow as pa
@@ -798,6 +799,56 @@ def test_a_parquet_directorys_small_parts_are_merged_once_enough_have_gathered(
     unchanged = index(engine, texts(13), left)
     assert (unchanged.unchanged, unchanged.optimized) == (13, "4 parts merged into 1")
     assert part_rows(left) == [4, 4, 4, 1]
+
+
+def rebuild_killed_in_its_swap(engine: Engine, source: Path, out: str, monkeypatch: pytest.MonkeyPatch,
+                               **options: object) -> None:
+    """A --rebuild of the Parquet directory out killed as its swap moves the first staged part in."""
+    move = fsspec.implementations.local.LocalFileSystem.mv
+
+    def killed_at_the_swap(fs: object, source_path: str, target: str, *args: object, **kwargs: object) -> None:
+        if "/.rebuild/part-" in source_path and "/.rebuild/" not in target:
+            raise KeyboardInterrupt
+        move(fs, source_path, target, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(fsspec.implementations.local.LocalFileSystem, "mv", killed_at_the_swap)
+        with pytest.raises(KeyboardInterrupt):
+            index(engine, source, out, rebuild=True, **options)
+
+
+def test_a_run_after_a_rebuild_killed_in_its_swap_reads_the_output_as_the_rebuild_left_it(
+        tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rebuild gave a kept column another type; the plain run after it types its kept values by the rebuild's
+    parts, not the old ones that the swap had yet to remove, and finishes the swap."""
+    out = f"{tmp_path}/parts/"
+    rows = [{"id": "a", "text": "Alpha.", "rating": 3}, {"id": "b", "text": "Beta.", "rating": 4}]
+    index(engine, write_jsonl(tmp_path / "docs.jsonl", rows), out, keep=("rating",))
+    rows[0]["rating"] = 3.5
+    source = write_jsonl(tmp_path / "docs.jsonl", rows)
+    with pytest.raises(UserError, match="does not fit the type int64"):
+        index(engine, source, out, keep=("rating",))
+    rebuild_killed_in_its_swap(engine, source, out, monkeypatch, keep=("rating",))
+    report = index(engine, source, out, keep=("rating",))
+    assert (report.added, report.updated, report.unchanged) == (0, 0, 2)
+    assert [(row["id"], row["rating"]) for row in sorted_rows(out)] == [("a", 3.5), ("b", 4.0)]
+    assert not (tmp_path / "parts" / ".rebuild").exists()
+
+
+def test_a_rebuild_run_again_after_it_was_killed_in_its_swap_does_not_embed_again(
+        tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a rebuild killed earlier goes on from its stage, one killed in its swap goes on from what the swap
+    brought in: the same command embeds nothing again, and still drops ids that left the source."""
+    out = f"{tmp_path}/parts/"
+    rows = [{"id": f"d{i}", "text": f"Text number {i}."} for i in range(5)]
+    index(engine, write_jsonl(tmp_path / "docs.jsonl", rows), out)
+    source = write_jsonl(tmp_path / "docs.jsonl", rows)
+    rebuild_killed_in_its_swap(engine, source, out, monkeypatch, prompt="passage: ")
+    again = index(engine, write_jsonl(tmp_path / "docs.jsonl", rows[1:]), out, prompt="passage: ", rebuild=True)
+    assert (again.added, again.updated, again.unchanged, again.deleted, again.tokens) == (0, 0, 4, 1, 0)
+    assert [row["id"] for row in sorted_rows(out)] == ["d1", "d2", "d3", "d4"]
+    assert read_output(out).schema.metadata[b"embedctl.prompt"] == b"passage: "
+    assert not (tmp_path / "parts" / ".rebuild").exists()
 
 
 def test_a_rebuilt_lance_table_has_the_fragments_of_a_build(tmp_path: Path, engine: Engine,

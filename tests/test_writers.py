@@ -2,6 +2,7 @@
 rebuilds swapped in at finish, what aborts and crashes leave, search, and where the lock file goes."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -289,6 +290,46 @@ def test_a_rebuilds_swap_cut_short_is_finished_by_the_next_run(tmp_path, monkeyp
     assert ids_of(tmp_path, "dir/") == ["new1", "new2", "new3"]
     assert read_back(tmp_path, "dir/").schema.metadata[b"embedctl.weights_sha256"] == b"new"
     assert sorted(os.listdir(tmp_path / "dir")) == parts(tmp_path)  # no stage left
+
+
+def test_a_swap_list_cut_short_is_one_error_that_says_how_to_mend_the_output(tmp_path):
+    """A power loss can leave the list of old parts empty: the output cannot be told apart, so the run says so,
+    and the way out it names works."""
+    store = open_store(f"{tmp_path}/dir/", schema())
+    store.write(batch(["a"]))
+    store.finish({"a": "k-a"}, prune=False)
+    (tmp_path / "dir" / ".rebuild").mkdir()
+    (tmp_path / "dir" / ".rebuild" / ".swap.json").write_text("")
+    for rebuild in (False, True):
+        with pytest.raises(UserError, match=r"^cannot read .*/dir/\.rebuild/\.swap\.json, the list of the old parts "
+                                            r"that a --rebuild was replacing when it was cut short; remove the "
+                                            r"folder .*/dir/\.rebuild and run with --rebuild$"):
+            open_store(f"{tmp_path}/dir/", schema(), rebuild=rebuild)
+    shutil.rmtree(tmp_path / "dir" / ".rebuild")
+    assert write(tmp_path, "dir/", ["b"], rebuild=True) == 1  # a, replaced
+    assert ids_of(tmp_path, "dir/") == ["b"]
+
+
+def test_a_merge_that_fails_partway_says_what_it_merged_and_why_it_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr(writers, "COMPACT_TARGET_ROWS", 2)
+    monkeypatch.setattr(writers, "COMPACT_SMALL_FRAGMENTS", 2)
+    ids = ["a", "b", "c", "d"]
+    store = open_store(f"{tmp_path}/dir/", schema(), commit_rows=1)
+    store.write(batch(ids))
+    removals = []
+    remove = store._fs.rm
+
+    def full_disk_at_the_second(paths, *args, **kwargs):
+        removals.append(paths)
+        if len(removals) == 2:
+            raise OSError(28, "No space left on device")
+        return remove(paths, *args, **kwargs)
+
+    monkeypatch.setattr(store._fs, "rm", full_disk_at_the_second)
+    store.finish({i: f"k-{i}" for i in ids}, prune=False)
+    assert (store.optimized, store.optimize_error) == ("2 parts merged into 1", "[Errno 28] No space left on device")
+    monkeypatch.undo()
+    assert parts(tmp_path) == ["part-00001.parquet", "part-00002.parquet", "part-00003.parquet"]
 
 
 @pytest.mark.parametrize("kind", GROUPED)

@@ -149,7 +149,7 @@ TEI_ERROR_TYPES: dict[int, TeiErrorType] = {424: "Backend", 429: "Overloaded", 5
 TEI_POOLING = {"last": "last_token"}  # TEI's names for pooling modes, where they differ from embedctl's
 # What each refusal means, as /openapi.json describes it.
 REFUSALS = {
-    400: "Malformed JSON, or an empty or blank input; on /v1/embeddings, any invalid request, and more inputs than "
+    400: "Malformed JSON, or an empty input; on /v1/embeddings, any invalid request, and more inputs than "
          "--max-client-batch (as OpenAI answers more than 2,048)",
     401: "A missing or wrong API key (with --api-key)",
     404: "No such model (a request's `model` naming another: code model_not_found, as OpenAI answers it)",
@@ -996,8 +996,10 @@ class _Service:
 
     @staticmethod
     def check_text(text: str, name: str) -> None:
-        if not text or text.isspace():
-            raise _empty(f"{name} is blank; send text with at least one non-space character")
+        # The empty string alone, as OpenAI refuses it in a batch: a blank text is embedded, as TEI embeds it, and
+        # clients that work around OpenAI's refusal send " " instead of "".
+        if not text:
+            raise _empty(f"{name} is an empty string; send at least one character")
 
     def check_ids(self, ids: list[int], name: str) -> None:
         if not ids:
@@ -1034,8 +1036,7 @@ class _Service:
                      from_left: bool = False, raw: bool = False) -> tuple[np.ndarray, int]:
         """Relevance of each text to the query, and the tokens it took: cross-encoder scores (with raw, its
         logits) or the bi-encoder's similarities. An over-long input loses its end, or with from_left its start."""
-        if not query or query.isspace():
-            raise _empty("query is blank; send text with at least one non-space character")
+        self.check_text(query, "query")
         self.check_texts(texts, field)
         check_truncated = functools.partial(self.check_encoded, field=field, truncate=truncate)
         encode = self.tokenizer.encode_from_left if from_left else None

@@ -199,8 +199,8 @@ def test_openai_client_gets_the_vectors_of_embedctl_index(server: Server, client
     np.testing.assert_array_equal(np.array([item.embedding for item in as_float.data], dtype=np.float32),
                                   np.array([item.embedding for item in as_base64.data], dtype=np.float32))
     np.testing.assert_allclose(one.data[0].embedding, vectors[3], atol=1e-5)
-    with pytest.raises(openai.BadRequestError, match="input\\[1\\] is blank"):  # the exception OpenAI's API gives
-        api.embeddings.create(model=name, input=["fine", "  "])
+    with pytest.raises(openai.BadRequestError, match="input\\[1\\] is an empty string"):  # OpenAI's API refuses it so
+        api.embeddings.create(model=name, input=["fine", ""])
     # 31 texts of up to 256 tokens under a 512-token budget: each request was split over many batches
     assert metric(client, "embedctl_batch_tokens_count") - batches_before >= 2 * n_tokens.sum() / LIMITS["max_batch_tokens"]
 
@@ -220,6 +220,21 @@ def test_token_ids_give_the_vectors_of_their_texts(client: httpx.Client, texts, 
     np.testing.assert_allclose(tei_many.json(), indexed[0][:3], atol=1e-5)
     np.testing.assert_allclose(tei_single.json(), indexed[0][1:2], atol=1e-5)
     assert many.json()["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
+
+
+def test_a_blank_text_is_embedded_as_its_tokens_are_and_ranked(client: httpx.Client) -> None:
+    """TEI embeds a text of spaces, and clients that work around OpenAI's refusal of "" send " ": MiniLM's
+    tokenizer makes it [CLS] [SEP], whose vector it gets on every route."""
+    ids = client.post("/tokenize", json={"inputs": " \n\t"}).json()[0]
+    assert [token["id"] for token in ids] == [101, 102]
+    as_ids = np.array(client.post("/embed", json={"inputs": [[101, 102]]}).json())
+    for path, body in (("/embed", {"inputs": ["a cat", " \n\t"]}), ("/v1/embeddings", {"input": ["a cat", "  "]})):
+        reply = client.post(path, json=body)
+        assert reply.status_code == 200, reply.text
+        rows = reply.json() if path == "/embed" else [item["embedding"] for item in reply.json()["data"]]
+        np.testing.assert_allclose(rows[1], as_ids[0], atol=1e-5)
+    ranked = client.post("/rerank", json={"query": " ", "texts": ["a cat", " "]})
+    assert ranked.status_code == 200 and ranked.json()[0] == {"index": 1, "score": pytest.approx(1.0, abs=1e-5)}
 
 
 def test_token_ids_past_the_max_length_are_cut_as_their_text_is(client: httpx.Client) -> None:
@@ -283,9 +298,9 @@ def test_hugging_face_client_at_the_root_gets_embed_vectors_and_reads_errors(ser
     hf = huggingface_hub.InferenceClient(model=server.url, token=KEY)
     np.testing.assert_allclose(hf.feature_extraction(texts[3]), indexed[0][3:4], atol=1e-5)
     with pytest.raises(huggingface_hub.errors.HfHubHTTPError) as refused:
-        hf.feature_extraction("  ")
+        hf.feature_extraction("")
     # the client reads the message out of TEI's error shape (not out of OpenAI's)
-    assert refused.value.server_message == "inputs[0] is blank; send text with at least one non-space character"
+    assert refused.value.server_message == "inputs[0] is an empty string; send at least one character"
 
 
 def test_tei_routes_ignore_fields_they_do_not_have_as_tei_does(client: httpx.Client, texts, indexed) -> None:
@@ -314,8 +329,8 @@ def test_sagemaker_invocations_and_openai_embeddings_without_v1_answer_as_their_
     reply = api.embeddings.create(model=str(minilm_dir), input=texts[:4], encoding_format="float")
     np.testing.assert_allclose(np.array([item.embedding for item in reply.data]), vectors[:4], atol=1e-5)
     assert reply.usage.prompt_tokens == n_tokens[:4].sum() and reply.model == str(minilm_dir)
-    with pytest.raises(openai.BadRequestError, match="input\\[1\\] is blank"):  # OpenAI's error shape, as on /v1
-        api.embeddings.create(model=str(minilm_dir), input=["fine", "  "])
+    with pytest.raises(openai.BadRequestError, match="input\\[1\\] is an empty string"):  # OpenAI's shape, as on /v1
+        api.embeddings.create(model=str(minilm_dir), input=["fine", ""])
 
 
 def test_info_describes_the_model_and_the_server_limits(client: httpx.Client, minilm_dir: Path) -> None:
@@ -431,7 +446,8 @@ ERRORS = [
     ("null inputs", "/embed", {"inputs": None}, KEY, 422, "Validation",
      "inputs: must be a string, a list of token ids, or a list of texts and token-id lists"),
     ("a number among texts", "/embed", {"inputs": ["a", 101]}, KEY, 422, "Validation", "list of texts and token-id lists"),
-    ("a blank text among token ids", "/embed", {"inputs": [[101, 102], " "]}, KEY, 400, "Empty", "inputs[1] is blank"),
+    ("an empty text among token ids", "/embed", {"inputs": [[101, 102], ""]}, KEY, 400, "Empty",
+     "inputs[1] is an empty string"),
     ("an empty list among texts", "/embed", {"inputs": ["a", []]}, KEY, 400, "Empty",
      "inputs[1] is an empty token-id list"),
     ("texts and token ids with a prompt", "/embed", {"inputs": ["a", [101, 102]], "prompt_name": "query"}, KEY, 422,
@@ -456,8 +472,8 @@ ERRORS = [
     ("empty input", "/v1/embeddings", {"input": []}, KEY, 400, "invalid_request_error", "input is empty"),
     ("empty inputs", "/embed", {"inputs": []}, KEY, 400, "Empty", "inputs is empty"),
     ("empty texts", "/rerank", {"query": "q", "texts": []}, KEY, 400, "Empty", "texts is empty"),
-    ("blank text", "/embed", {"inputs": ["fine", "  "]}, KEY, 400, "Empty", "inputs[1] is blank"),
-    ("empty text to /tokenize", "/tokenize", {"inputs": ""}, KEY, 400, "Empty", "inputs[0] is blank"),
+    ("empty text", "/embed", {"inputs": ["fine", ""]}, KEY, 400, "Empty", "inputs[1] is an empty string"),
+    ("empty text to /tokenize", "/tokenize", {"inputs": ""}, KEY, 400, "Empty", "inputs[0] is an empty string"),
     ("empty token list", "/v1/embeddings", {"input": [[101, 102], []]}, KEY, 400, "invalid_request_error",
      "input[1] is an empty token-id list"),
     ("no ids", "/decode", {"ids": []}, KEY, 400, "Empty", "ids is empty"),
@@ -496,9 +512,9 @@ ERRORS = [
                                                      "truncate": False}, KEY, 422, "Validation", "texts[15] is longer"),
     ("texts and documents", "/rerank", {"query": "q", "texts": ["a"], "documents": ["b"]}, KEY, 422, "Validation",
      "exactly one"),
-    ("blank query", "/rerank", {"query": " ", "texts": ["a"]}, KEY, 400, "Empty", "query is blank"),
-    ("blank text to the root", "/", {"inputs": " "}, KEY, 400, "Empty", "inputs[0] is blank"),
-    ("blank text to /invocations", "/invocations", {"inputs": " "}, KEY, 400, "Empty", "inputs[0] is blank"),
+    ("empty query", "/rerank", {"query": "", "texts": ["a"]}, KEY, 400, "Empty", "query is an empty string"),
+    ("empty text to the root", "/", {"inputs": ""}, KEY, 400, "Empty", "inputs[0] is an empty string"),
+    ("empty text to /invocations", "/invocations", {"inputs": ""}, KEY, 400, "Empty", "inputs[0] is an empty string"),
     ("no key on /invocations", "/invocations", {"inputs": "x"}, None, 401, "Validation", "Authorization: Bearer"),
     ("rerank body to /invocations", "/invocations", {"query": "q", "texts": ["a"]}, KEY, 422, "Validation",
      "inputs: Field required"),

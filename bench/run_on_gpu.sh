@@ -6,7 +6,8 @@
 # Installs .bundle/whl (flashinfer) and .whl (what the GPU machine lacks: the serving stack, openai for
 # tests/test_serve.py, py-spy for bench.serve_bench --profile; pip download --no-deps fastapi starlette pydantic
 # pydantic_core annotated-types typing-inspection opentelemetry-api uvicorn httptools uvloop orjson openai httpx2
-# httpcore2 truststore jiter distro sniffio py-spy for cp312 manylinux) when carried; MiniLM comes from
+# httpcore2 truststore jiter distro sniffio py-spy for cp312 manylinux; pytest-xdist and execnet, for `-n N` in the
+# pytest arguments, so that FlashInfer's JIT modules compile side by side) when carried; MiniLM comes from
 # .bundle/minilm and the corpus from .bench-data/ (../shared/gpu/make-bundle.sh and a copy of ../shared/corpus).
 set -uo pipefail
 out=${OUT:-bench-out}

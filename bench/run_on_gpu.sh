@@ -26,6 +26,8 @@ fi
 { date -u; cat COMMIT 2>/dev/null || git rev-parse --short HEAD; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$out/machine.txt"
 eval python3 -m pytest -p no:cacheprovider -q -ra "$1" 2>&1 | tee "$out/tests.log"  # eval: $1 may quote a -k expression
+tests=$?  # pytest's, through pipefail: the script ends with it, so a failed test is not hidden by the benchmarks after it
+echo "pytest rc $tests" | tee -a "$out/tests.log"
 shift
 for bench in "$@"; do
   module=${bench%% *}
@@ -33,3 +35,4 @@ for bench in "$@"; do
   echo "== $bench" | tee -a "$out/bench.log"
   python3 -m $bench --out "$out/$name" 2>&1 | tee -a "$out/bench.log"
 done
+exit "$tests"

@@ -1,7 +1,7 @@
 """What the benchmarks share: latency percentiles of a call, the record of when and where a run ran, a
-profiled step's GPU span and idle time, and the models by name: MiniLM, and the BERT-base- and
+profiled step's GPU span and idle time, the models by name: MiniLM, and the BERT-base- and
 Qwen3-0.6B-shaped checkpoints of random weights that stand in for real ones (random weights time like
-real ones)."""
+real ones), and the arms of an A/B between engine trees (bench.step_latency, bench.throughput_ab)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -87,3 +88,31 @@ def checkpoints(names: list[str], minilm: Path, folder: Path) -> dict[str, Path]
     makers = {"minilm": lambda: minilm, "bert-base": lambda: random_bert_base(folder / "bert-base"),
               "qwen3-0.6b": lambda: save_random_qwen3(folder / "qwen3", device="cuda", **QWEN3_06B)}
     return {name: makers[name]() for name in names}
+
+
+def parse_arms(text: str) -> dict[str, str]:
+    """--arms NAME=DIR,NAME=DIR,... as {NAME: DIR}: the source trees, each holding an engine/ package, that an A/B compares."""
+    return dict(arm.split("=", 1) for arm in text.split(","))
+
+
+def arm_order(arms: list[str], round_index: int) -> list[str]:
+    """The arms' turns in a round: each round starts one arm later, so a drift of the machine hits them alike."""
+    shift = round_index % len(arms)
+    return arms[shift:] + arms[:shift]
+
+
+def run_arm_worker(module: str, arm: str, job: dict) -> dict:
+    """One arm's figures from a child process, `python3 -m MODULE --worker JOB`, which imports the engine of
+    the arm's tree (so each arm has its own): the JSON of its last line on stdout."""
+    child = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(job)], capture_output=True, text=True)
+    if child.returncode != 0:
+        raise SystemExit(f"arm {arm} failed:\n{child.stderr[-4000:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def main_or_worker(main: Callable[[], None], worker: Callable[[dict], None]) -> None:
+    """An A/B benchmark's entry point: worker(job) in a child process started by run_arm_worker, else main()."""
+    if sys.argv[1:2] == ["--worker"]:
+        worker(json.loads(sys.argv[2]))
+    else:
+        main()

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import checkpoints
+from bench.common import arm_order, checkpoints, main_or_worker, parse_arms, run_arm_worker
 
 POINTS = {"minilm": (16, 128), "bert-base": (16, 128), "qwen3-0.6b": (128, 512, 4096)}
 
@@ -45,17 +44,13 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--worker"]:  # a child process: one arm's job, as JSON
-        worker(json.loads(sys.argv[2]))
-        return
     args = parse_args()
-    arms = dict(arm.split("=", 1) for arm in args.arms.split(","))
+    arms = parse_arms(args.arms)
     with tempfile.TemporaryDirectory(prefix="embedctl-step-latency-") as folder:
         paths = checkpoints(args.models.split(","), args.minilm, Path(folder))
         models = {name: str(path) for name, path in paths.items()}
         rounds = [{"arm": arm, "round": round_index, **run_arm(arm, arms[arm], models, args)}
-                  for round_index in range(args.rounds)
-                  for arm in list(arms)[round_index % len(arms):] + list(arms)[: round_index % len(arms)]]
+                  for round_index in range(args.rounds) for arm in arm_order(list(arms), round_index)]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"arms": arms, "rounds": rounds}, indent=2))
     report = render(list(arms), rounds)
@@ -67,11 +62,7 @@ def run_arm(arm: str, tree: str, models: dict[str, str], args: argparse.Namespac
     """One arm's figures, from a child process that imports the engine under `tree`."""
     job = {"tree": str(Path(tree).resolve()), "models": models, "attention": args.attention, "repeats": args.repeats,
            "profile": args.profile}
-    child = subprocess.run([sys.executable, "-m", "bench.step_latency", "--worker", json.dumps(job)],
-                           capture_output=True, text=True)
-    if child.returncode != 0:
-        raise SystemExit(f"arm {arm} failed:\n{child.stderr[-4000:]}")
-    result = json.loads(child.stdout.strip().splitlines()[-1])
+    result = run_arm_worker("bench.step_latency", arm, job)
     print(f"{arm}: {json.dumps(result)}", flush=True)
     return result
 
@@ -146,4 +137,4 @@ def render(arms: list[str], rounds: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    main_or_worker(main, worker)

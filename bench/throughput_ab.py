@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -36,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from bench.common import checkpoints
+from bench.common import arm_order, checkpoints, main_or_worker, parse_arms, run_arm_worker
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,23 +50,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--passes", type=int, default=3, help="timed passes per arm and round")
     parser.add_argument("--out", type=Path, default=Path("bench-out/throughput_ab"))
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.arms = parse_arms(args.arms)
+    return args
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--worker"]:  # a child process: one arm's job, as JSON
-        worker(json.loads(sys.argv[2]))
-        return
     args = parse_args()
-    arms = dict(arm.split("=", 1) for arm in args.arms.split(","))
+    arms = args.arms
     with tempfile.TemporaryDirectory(prefix="embedctl-throughput-ab-") as folder:
         model = checkpoints([args.model], args.minilm, Path(folder))[args.model]
         ids_file = Path(folder) / "ids.npz"
         print("tokens", save_ids(args, model, ids_file), flush=True)
         rounds = []
         for round_index in range(args.rounds):
-            turn = list(arms)[round_index % len(arms):] + list(arms)[: round_index % len(arms)]
-            for arm in turn:
+            for arm in arm_order(list(arms), round_index):
                 vectors = Path(folder) / f"vectors-{arm}-{round_index}.npy"
                 result = {"arm": arm, "round": round_index, **run_arm(arm, arms[arm], model, ids_file, vectors, args)}
                 first = Path(folder) / f"vectors-{next(iter(arms))}-0.npy"
@@ -100,11 +97,7 @@ def run_arm(arm: str, spec: str, model: Path, ids_file: Path, vectors: Path, arg
         raise SystemExit(f"arm {arm}: unknown mode @{mode}; the one mode is @freeze")
     job = {"tree": str(Path(tree).resolve()), "model": str(model), "ids": str(ids_file), "vectors": str(vectors),
            "attention": args.attention, "lanes": args.lanes, "passes": args.passes, "freeze": mode == "freeze"}
-    child = subprocess.run([sys.executable, "-m", "bench.throughput_ab", "--worker", json.dumps(job)],
-                           capture_output=True, text=True)
-    if child.returncode != 0:
-        raise SystemExit(f"arm {arm} failed:\n{child.stderr[-4000:]}")
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    return run_arm_worker("bench.throughput_ab", arm, job)
 
 
 def worker(job: dict) -> None:
@@ -214,4 +207,4 @@ def render(arms: list[str], rounds: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    main_or_worker(main, worker)

@@ -2,11 +2,12 @@
 that may move tokens/s (bench.step_latency is its batch-1 counterpart).
 
 An arm is NAME=DIR, DIR holding an `engine/` package: `.` for the working tree, or a commit's engine exported
-with `mkdir -p .ab/C && git archive C engine | tar -x -C .ab/C`. NAME=DIR@freeze also calls gc.freeze() after
-the load, as `embedctl serve` does, to tell Python's collector apart from the engine. Each arm runs in a
+with `mkdir -p .ab/C && git archive C engine | tar -x -C .ab/C`. Options after the directory, each behind an @:
+@freeze calls gc.freeze() after the load, as `embedctl serve` does, to tell Python's collector apart from the
+engine; @lanes=N runs the arm on N lanes instead of --lanes (do lanes still overlap?). Each arm runs in a
 process of its own, and the arms take turns for --rounds rounds, so a drift of the machine hits them alike.
-Every arm embeds the same corpus documents (tokenized once here, cut at 512 tokens) through Engine.embed on
---lanes lanes and reports:
+Every arm embeds the same corpus documents (tokenized once here, cut at 512 tokens) through Engine.embed and
+reports:
 - tokens/s, the best of --passes passes after a first one that captures the graphs;
 - Python's garbage collections during those passes, by generation, with their seconds;
 - the host's seconds inside Engine.step per pass, and the batches each lane ran;
@@ -19,7 +20,7 @@ It was written when run169 (bench/results) found BERT-base's model-only throughp
 one H100 with the same kernel time per step.
 
     python3 -m bench.throughput_ab --minilm .bundle/minilm --corpus .bench-data/docstrings.parquet \
-        --arms new=.,old=.ab/b25fad4,new-frozen=.@freeze --out bench-out/throughput_ab
+        --arms new=.,old=.ab/b25fad4,new-frozen=.@freeze,new-one-lane=.@lanes=1 --out bench-out/throughput_ab
 writes results.json and report.md under --out and prints the table.
 """
 
@@ -40,13 +41,13 @@ from bench.common import arm_order, checkpoints, main_or_worker, parse_arms, run
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arms", required=True, help="comma-separated NAME=DIR or NAME=DIR@freeze")
+    parser.add_argument("--arms", required=True, help="comma-separated NAME=DIR[@freeze][@lanes=N]")
     parser.add_argument("--minilm", type=Path, required=True, help="all-MiniLM-L6-v2 directory (its tokenizer too)")
     parser.add_argument("--corpus", type=Path, required=True, help="Parquet file with a text column")
     parser.add_argument("--docs", type=int, default=10_000)
     parser.add_argument("--model", choices=("minilm", "bert-base"), default="bert-base")
     parser.add_argument("--attention", default="varlen", help="the engine's attention backend")
-    parser.add_argument("--lanes", type=int, default=3)
+    parser.add_argument("--lanes", type=int, default=3, help="lanes of the arms that name none")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--passes", type=int, default=3, help="timed passes per arm and round")
     parser.add_argument("--out", type=Path, default=Path("bench-out/throughput_ab"))
@@ -92,11 +93,16 @@ def save_ids(args: argparse.Namespace, model: Path, ids_file: Path) -> int:
 
 def run_arm(arm: str, spec: str, model: Path, ids_file: Path, vectors: Path, args: argparse.Namespace) -> dict:
     """One arm's figures, from a child process that imports the engine under the arm's tree."""
-    tree, _, mode = spec.partition("@")
-    if mode not in ("", "freeze"):
-        raise SystemExit(f"arm {arm}: unknown mode @{mode}; the one mode is @freeze")
+    tree, *options = spec.split("@")
     job = {"tree": str(Path(tree).resolve()), "model": str(model), "ids": str(ids_file), "vectors": str(vectors),
-           "attention": args.attention, "lanes": args.lanes, "passes": args.passes, "freeze": mode == "freeze"}
+           "attention": args.attention, "lanes": args.lanes, "passes": args.passes, "freeze": False}
+    for option in options:
+        if option == "freeze":
+            job["freeze"] = True
+        elif option.startswith("lanes=") and option[6:].isdigit() and int(option[6:]) > 0:
+            job["lanes"] = int(option[6:])
+        else:
+            raise SystemExit(f"arm {arm}: unknown option @{option}; use @freeze or @lanes=N")
     return run_arm_worker("bench.throughput_ab", arm, job)
 
 
@@ -157,7 +163,7 @@ def worker(job: dict) -> None:
     gc.callbacks.remove(on_collection)
     np.save(job["vectors"], vectors[0].astype(np.float32))  # the last timed pass's
     runner = getattr(model, "runner", None)
-    out = {"engine": str(Path(engine.__file__).parent), "tokens": tokens, "first_pass": tokens / first,
+    out = {"engine": str(Path(engine.__file__).parent), "lanes": job["lanes"], "tokens": tokens, "first_pass": tokens / first,
            "passes": passes, "tokens_per_s": max(passes), "collections": collections,
            "step_host_s_per_pass": step_seconds[0] / job["passes"],
            "lane_batches": [lane.batches for lane in runner.lanes] if runner is not None else None}

@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    arms = args.arms
+    arms = {arm: arm_setup(arm, spec, args.lanes) for arm, spec in args.arms.items()}  # a typo fails before any arm runs
     with tempfile.TemporaryDirectory(prefix="embedctl-throughput-ab-") as folder:
         model = checkpoints([args.model], args.minilm, Path(folder))[args.model]
         ids_file = Path(folder) / "ids.npz"
@@ -74,7 +74,7 @@ def main() -> None:
                 rounds.append(result)
                 print(f"{arm}: {json.dumps(result)}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"arms": arms, "rounds": rounds}, indent=2))
+    (args.out / "results.json").write_text(json.dumps({"arms": args.arms, "rounds": rounds}, indent=2))
     report = render(list(arms), rounds)
     (args.out / "report.md").write_text(report)
     print(report)
@@ -91,18 +91,24 @@ def save_ids(args: argparse.Namespace, model: Path, ids_file: Path) -> int:
     return int(sum(map(len, ids)))
 
 
-def run_arm(arm: str, spec: str, model: Path, ids_file: Path, vectors: Path, args: argparse.Namespace) -> dict:
-    """One arm's figures, from a child process that imports the engine under the arm's tree."""
+def arm_setup(arm: str, spec: str, lanes: int) -> dict:
+    """An arm's tree and options from DIR[@freeze][@lanes=N]; lanes: --lanes, unless the arm names its own."""
     tree, *options = spec.split("@")
-    job = {"tree": str(Path(tree).resolve()), "model": str(model), "ids": str(ids_file), "vectors": str(vectors),
-           "attention": args.attention, "lanes": args.lanes, "passes": args.passes, "freeze": False}
+    setup = {"tree": str(Path(tree).resolve()), "freeze": False, "lanes": lanes}
     for option in options:
         if option == "freeze":
-            job["freeze"] = True
+            setup["freeze"] = True
         elif option.startswith("lanes=") and option[6:].isdigit() and int(option[6:]) > 0:
-            job["lanes"] = int(option[6:])
+            setup["lanes"] = int(option[6:])
         else:
             raise SystemExit(f"arm {arm}: unknown option @{option}; use @freeze or @lanes=N")
+    return setup
+
+
+def run_arm(arm: str, setup: dict, model: Path, ids_file: Path, vectors: Path, args: argparse.Namespace) -> dict:
+    """One arm's figures, from a child process that imports the engine under the arm's tree."""
+    job = {**setup, "model": str(model), "ids": str(ids_file), "vectors": str(vectors), "attention": args.attention,
+           "passes": args.passes}
     return run_arm_worker("bench.throughput_ab", arm, job)
 
 

@@ -24,8 +24,11 @@ spreads over the lanes. A shape's hits count across lanes: its first hit runs ea
 captures its own graph of it on the first hit it gets after that. On the H200, model-only tokens/s
 at a 16,384-token budget, each pair from one run: one lane against two (bench/results/
 gpu-2026-11-30-run41-lanes) MiniLM 10.68M / 11.69M, BERT-base 2.33M / 2.73M; two against three
-(run42-lanes-budget) MiniLM 11.68M / 12.07M, BERT-base 2.76M / 2.87M. A server is the exception
-(embedctl serve runs one lane): there each extra lane's captures stall live requests (run46).
+(run42-lanes-budget) MiniLM 11.68M / 12.07M, BERT-base 2.76M / 2.87M. Those were measured before each lane
+captured on its own stream, when every lane's graphs shared one cuBLAS workspace (so they may have overlapped
+unsoundly); since then BERT-base on three lanes has run at about its kernels' sum (run169), and what lanes
+add now is bench.throughput_ab's question. A server is the exception (embedctl serve runs one lane):
+there each extra lane's captures stall live requests (run46).
 Inputs reach the device through two alternating page-locked staging buffers per lane and one copy
 per batch; a graph reads them from fixed device addresses.
 Not here: the model, attention kernels, readback (engine.lazy).

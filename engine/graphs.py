@@ -21,14 +21,12 @@ pool and attention scratch, so that batches in flight run at the same time and o
 fill the gaps and tails between another's. A batch takes the first lane with nothing left to do, so
 one batch at a time (a lone query) always runs on lane 0 and its graphs, while a stream of batches
 spreads over the lanes. A shape's hits count across lanes: its first hit runs eagerly, and each lane
-captures its own graph of it on the first hit it gets after that. On the H200, model-only tokens/s
-at a 16,384-token budget, each pair from one run: one lane against two (bench/results/
-gpu-2026-11-30-run41-lanes) MiniLM 10.68M / 11.69M, BERT-base 2.33M / 2.73M; two against three
-(run42-lanes-budget) MiniLM 11.68M / 12.07M, BERT-base 2.76M / 2.87M. Those were measured before each lane
-captured on its own stream, when every lane's graphs shared one cuBLAS workspace (so they may have overlapped
-unsoundly); since then BERT-base on three lanes has run at about its kernels' sum (run169), and what lanes
-add now is bench.throughput_ab's question. A server is the exception (embedctl serve runs one lane):
-there each extra lane's captures stall live requests (run46).
+captures its own graph of it on the first hit it gets after that, on its own stream (_Lane says
+why). Model-only BERT-base on an H100, 16,384-token budget, one run (bench/results/
+gpu-2026-12-07-run171-lanes-workspace-ab-h100): 2.41M tokens/s on one lane, 2.52M on three, the
+same vectors. The lanes figures before it (run41, run42: BERT-base 2.87M on three lanes) came from
+lanes that shared one cuBLAS workspace, whose vectors run171 found mostly wrong. A server is the
+exception (embedctl serve runs one lane): there each extra lane's captures stall live requests (run46).
 Inputs reach the device through two alternating page-locked staging buffers per lane and one copy
 per batch; a graph reads them from fixed device addresses.
 Not here: the model, attention kernels, readback (engine.lazy).
@@ -129,7 +127,8 @@ class _Lane:
 
     Its graphs are captured on its own stream, not on torch's shared capture stream, because cuBLAS
     takes its scratch workspace per stream: graphs captured on one stream would all write the same
-    workspace, and two lanes replaying at once would corrupt each other's split-K GEMMs.
+    workspace, and lanes replaying at once would corrupt each other's GEMMs (run171: an engine
+    that captured so gave most of BERT-base's vectors wrong on three lanes).
     """
 
     def __init__(self, index: int, size: int, device: torch.device, make_attention: MakeAttention) -> None:

@@ -142,17 +142,19 @@ def test_a_batch_takes_the_first_free_lane_and_every_lane_gives_the_same_vectors
     assert engine.stats.replays == 2 and lanes[0].batches == 4
 
 
-def test_lanes_replaying_full_batches_at_once_give_one_lanes_vectors(tmp_path) -> None:
-    """Lanes share no scratch memory. Before each lane captured on its own stream, every lane's graphs
-    wrote one cuBLAS workspace, and BERT-base's 16,384-token GEMMs replaying on three lanes at once gave
-    most vectors wrong, some at cosine 0 (bench/results/gpu-2026-12-07-run171-lanes-workspace-ab-h100)."""
+@pytest.mark.parametrize("backend", ["varlen", "triton", pytest.param("flashinfer", marks=needs_flashinfer)])
+def test_lanes_replaying_full_batches_at_once_give_one_lanes_vectors(tmp_path, backend: str) -> None:
+    """Lanes share no scratch memory (GEMM workspaces, attention plans and buffers). Before each lane
+    captured on its own stream, every lane's graphs wrote one cuBLAS workspace, and BERT-base's
+    16,384-token GEMMs replaying on three lanes at once gave most vectors wrong, some at cosine 0
+    (bench/results/gpu-2026-12-07-run171-lanes-workspace-ab-h100)."""
     path = save_random_model(tmp_path / "bert-base", pooling="mean", **BERT_BASE)
     rng = np.random.default_rng(3)
     sequences = [np.concatenate([[101], rng.integers(1000, 29000, n), [102]]) for n in rng.integers(100, 510, 240)]
-    one_lane = Engine.load(str(path), EngineConfig(attention="varlen", lanes=1))
+    one_lane = Engine.load(str(path), EngineConfig(attention=backend, lanes=1))
     for _ in range(3):  # eager, then captures, then replays
         expected = one_lane.embed(sequences)
-    engine = Engine.load(str(path), EngineConfig(attention="varlen", lanes=3))
+    engine = Engine.load(str(path), EngineConfig(attention=backend, lanes=3))
     for _ in range(5):  # eager, then each lane captures as a batch first reaches it, then replays on all three
         assert cosine(engine.embed(sequences), expected).min() >= 0.999
     lanes = engine.runner.lanes

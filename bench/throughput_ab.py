@@ -14,10 +14,9 @@ reports:
 - from one more pass under torch.profiler: the GPU's busy share of the pass's wall time, and its
   concurrency, kernel time summed over busy time (above 1 where batches on several lanes overlap);
 - how its vectors agree with the first arm's, row by row: the least cosine and the rows under 0.999 (before
-  313c2cd every lane's graphs shared one cuBLAS workspace, so an older tree's overlapping batches may have
-  corrupted each other's GEMMs).
+  313c2cd every lane's graphs shared one cuBLAS workspace, and overlapping batches corrupted each other's GEMMs).
 It was written when run169 (bench/results) found BERT-base's model-only throughput 7-13% under b25fad4's on
-one H100 with the same kernel time per step.
+one H100 with the same kernel time per step; run171 found b25fad4's vectors mostly wrong for that reason.
 
     python3 -m bench.throughput_ab --minilm .bundle/minilm --corpus .bench-data/docstrings.parquet \
         --arms new=.,old=.ab/b25fad4,new-frozen=.@freeze,new-one-lane=.@lanes=1 --out bench-out/throughput_ab

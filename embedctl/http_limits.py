@@ -28,8 +28,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_bytes = 0
+        self._head_tail = b""  # the last bytes of the head so far, for a blank line split across reads
         self._in_head = True  # until the first head is whole: a connection that sends nothing is timed too
-        self._boundaries = 0  # heads and messages the parser has seen end
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.head_timeout, self._head_too_slow)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -37,20 +37,27 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        boundaries = self._boundaries
+        if self._in_head and not self.transport.is_closing():
+            # Counted before the parser sees the data, so that a head ending in this read is refused, not served.
+            self._head_bytes += self._head_share(data)
+            if self._head_bytes > self.max_head_bytes:
+                self._refuse(431, "Request Header Fields Too Large",
+                             f"the request line and headers are larger than {self.max_head_bytes >> 10} KiB")
+                return
         super().data_received(data)
-        if not self._in_head or self.transport.is_closing():
-            return
-        if self._boundaries != boundaries:
-            # A head or a message ended within this data (a body can arrive with its head, in one read): the
-            # next head's share of it is not known, so it counts from the next read on, one read (256 KiB at
-            # most) of leeway. Counting the whole read refused every request with a body over 64 KiB.
-            self._head_bytes = 0
-            return
-        self._head_bytes += len(data)
-        if self._head_bytes > self.max_head_bytes:
-            self._refuse(431, "Request Header Fields Too Large",
-                         f"the request line and headers are larger than {self.max_head_bytes >> 10} KiB")
+
+    def _head_share(self, data: bytes) -> int:
+        """How many bytes of data belong to the head being read: up to its blank line, or all of them. The head
+        after a message that ends within a read is counted from the next read on (pipelined requests), a leeway
+        of one read (256 KiB at most); counting a body with its head refused every request of over 64 KiB."""
+        seen = self._head_tail + data
+        if not self._head_tail and self._head_bytes == 0:  # empty lines before a request line are not its end
+            seen = seen.lstrip(b"\r\n")
+        ends = [seen.find(blank) + len(blank) for blank in (b"\r\n\r\n", b"\n\n") if blank in seen]
+        if ends:
+            return max(0, min(ends) - len(self._head_tail))
+        self._head_tail = seen[-3:]
+        return len(data)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -60,16 +67,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._head_bytes = 0
-        self._boundaries += 1
+        self._head_bytes, self._head_tail = 0, b""
         self._stop_head_timer()
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_head = True  # the next request's head may start in the data that ended this one
-        self._head_bytes = 0
-        self._boundaries += 1
+        self._head_bytes, self._head_tail = 0, b""
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:

@@ -854,6 +854,29 @@ def test_a_head_that_stops_coming_is_408_and_closed() -> None:
     assert kept_alive.count(b"HTTP/1.1 200 OK") == 2 and b"408" not in kept_alive
 
 
+@pytest.mark.parametrize("writes", [1, 4])
+def test_a_head_over_the_limit_is_431_also_when_it_ends_in_the_read_that_passes_it(writes: int) -> None:
+    """The whole head counts, its last read too, in one write or several; empty lines before the request line
+    are not taken for its end. One just under the limit is served."""
+    body = b'{"input": "hi"}'
+
+    def request(header_bytes: int) -> bytes:
+        return (b"\r\n\r\nPOST /embed HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * header_bytes
+                + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+
+    with body_length_server(head_timeout=30) as port:
+        replies = []
+        for header_bytes in (70_000, 64_000):
+            sent = request(header_bytes)
+            with socket.create_connection(("127.0.0.1", port)) as raw:
+                for start in range(0, len(sent), -(-len(sent) // writes)):
+                    raw.sendall(sent[start:start - (-len(sent) // writes)])
+                    time.sleep(0.05)
+                replies.append(read_reply(raw))
+    assert replies[0].startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), replies[0][:200]
+    assert replies[1].startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\n%d\r\n" % len(body) in replies[1]
+
+
 def test_large_bodies_are_not_taken_for_large_heads() -> None:
     """A body over the head limit arriving in the same reads as its head (a 100-document request), then another
     on the same connection: both read whole. The first form of the limit counted them and refused both (run157)."""

@@ -1016,13 +1016,16 @@ class _Service:
                                 f"{self.limits.max_client_batch}; split them over several requests",
                            openai_status=400)  # OpenAI refuses more than 2,048 inputs with 400, and clients split on it
 
-    def check_encoded(self, encoded: Encoded, first: int = 0, *, field: str, truncate: bool) -> None:
+    def check_encoded(self, encoded: Encoded, first: int = 0, *, field: str, truncate: bool,
+                      paired: bool = False) -> None:
         """A 422 for the first sequence that is truncated when truncate is false, or that holds a token past
-        the model's embedding table; `first` is the index of encoded's first."""
+        the model's embedding table; `first` is the index of encoded's first. With paired, each sequence is
+        the query with a text, too long together (either may be short alone)."""
         if not truncate and any(encoded.truncated):
             i = first + encoded.truncated.index(True)
-            raise ApiError(422, f"{field}[{i}] is longer than the model's max length of {self.engine.max_length} tokens "
-                                "and truncate is false; shorten it or send truncate: true")
+            what, fix = (f"the query with {field}[{i}]", "shorten them") if paired else (f"{field}[{i}]", "shorten it")
+            raise ApiError(422, f"{what} is longer than the model's max length of {self.engine.max_length} tokens "
+                                f"and truncate is false; {fix} or send truncate: true")
         if self.engine.ids_past_table:
             self.check_in_table(encoded, lambda i: f"{field}[{first + i}]")
 
@@ -1043,7 +1046,8 @@ class _Service:
         if self.engine.num_labels:
             if self.engine.ids_past_table:  # named here: every pair holds the query
                 self.check_in_table(self.tokenizer.encode([query]), lambda _: "query")
-            rows, tokens = await self.tokenize_and_run([query] * len(texts), check_truncated, texts, encode)
+            check_pairs = functools.partial(check_truncated, paired=True)
+            rows, tokens = await self.tokenize_and_run([query] * len(texts), check_pairs, texts, encode)
             return rows[:, 0] if raw else self.engine.activate(rows[:, 0]), tokens
 
         def check_query_then_texts(encoded: Encoded, first: int) -> None:

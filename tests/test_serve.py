@@ -1349,7 +1349,7 @@ def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path)
     np.testing.assert_allclose([hit["score"] for hit in raw], logits.numpy()[order], atol=1e-5)
     for path in ("/", "/invocations"):
         assert paths[path]["post"]["requestBody"] == paths["/rerank"]["post"]["requestBody"]
-    assert cut.status_code == 422 and "texts[1] is longer" in refusal(cut)[0]
+    assert cut.status_code == 422 and "the query with texts[1] is longer" in refusal(cut)[0]
     left_pairs = tokenizer.encode_from_left([query] * len(docs), docs)
     assert left_pairs.truncated == [False, True, False, False] and left_pairs.ids[1][-2] != pairs.ids[1][-2]
     with torch.no_grad():

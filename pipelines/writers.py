@@ -51,6 +51,7 @@ _PART_NAME = re.compile(r"part-(\d+)\.parquet$")
 _TMP = ".tmp-"  # prefix of a Parquet part not yet committed; hidden from readers
 _REBUILD = ".rebuild"  # where a directory rebuild stages its parts; a Lance rebuild's table is .NAME.rebuild
 _SWAP = ".swap.json"  # in a directory rebuild's stage: the old parts its swap removes, for a run after a crash
+_UPDATE = ".update"  # where a run into a directory that holds parts stages its parts until they are moved in at finish
 _DELETE_IDS = 1000  # ids per Lance delete predicate
 # A Lance table's upkeep at the end of a run (_LanceStore._tidy), and a Parquet directory's (_ParquetDirStore._tidy,
 # by the same sizes: readers open each part, and finish rewrites a whole part for any of its rows that changed).
@@ -645,9 +646,13 @@ def _id_in(ids: Sequence[str]) -> str:
 
 class _ParquetDirStore:
     """A directory whose *.parquet files are the table (other files are left alone); each group is a new
-    part. A rebuild stages its parts in DIR/.rebuild and moves them in at finish, after the old parts; a rebuild
-    run again with the same settings after a crash mid-swap goes on from what that swap brought in (as one cut
-    short earlier goes on from its stage)."""
+    part. A first build commits its parts in place. A run into a directory that holds parts stages them in
+    DIR/.update, hidden from readers, and moves them in at finish before it removes the copies they replace: a
+    changed row's new part beside its old one would show readers both until then, and after a kill until the
+    next run. A killed update's stage is the next run's committed work, moved in at its finish. A rebuild stages
+    its parts in DIR/.rebuild and moves them in at finish, after the old parts; a rebuild run again with the same
+    settings after a crash mid-swap goes on from what that swap brought in (as one cut short earlier goes on from
+    its stage)."""
 
     dropped_indexes: Sequence[str] = ()  # Parquet holds no indexes
 
@@ -666,19 +671,26 @@ class _ParquetDirStore:
                 _refuse_foreign(shown, old)
             self.replaced: set[str] = set()
             self._rebuilt_in_place = rebuild and swapped and not any(_incompatibility(old, schema) for old in schemas)
+            update_stage = posixpath.join(path, _UPDATE)
+            self._updating = not rebuild and bool(old_parts or self._parts(update_stage))
+            if rebuild and fs.isdir(update_stage):  # a killed update's rows, which the rebuild embeds again
+                fs.rm(update_stage, recursive=True)
             if rebuild and not self._rebuilt_in_place:  # staged even with no old parts: a killed first build resumes
                 self.replaced = {row_id for part in old_parts for row_id in _ids(fs, part)}
                 self._path = posixpath.join(path, _REBUILD)
                 if any(_incompatibility(_read_schema(fs, p, shown), schema) for p in self._parts(self._path)):
                     fs.rm(self._path, recursive=True)  # a rebuild for other settings, left by a killed run
             else:
-                for old in schemas:
+                for old in schemas + [_read_schema(fs, part, shown) for part in self._parts(update_stage)]:
                     _check_compatible(shown, old, schema)
+                if self._updating:
+                    self._path = update_stage
             for leftover in {*self._listing(path), *self._listing(self._path)}:  # parts a killed run did not commit
                 if posixpath.basename(leftover).startswith(_TMP):
                     fs.rm(leftover, recursive=True)
-            parts = self._parts(self._path)
-            self._next = _part_number(parts[-1]) + 1 if parts else 0
+            # A stage's parts are newer than the directory's, whatever their numbers after a kill mid-move.
+            parts = (old_parts if self._updating else []) + self._parts(self._path)
+            self._next = max(map(_part_number, parts), default=-1) + 1
             self.existing = {}
             for part in reversed(parts):  # newest first: after a kill mid-finish, the newest copy is the run's
                 stored = pq.read_table(part, columns=["id", CONTENT_KEY], filesystem=fs)
@@ -709,9 +721,11 @@ class _ParquetDirStore:
 
     def finish(self, source: dict[str, str], prune: bool, emptied: AbstractSet[str] = frozenset(),
                restamps: Sequence[pa.Table] = ()) -> int:
-        replace = self._path != self._root
         if (group := self._groups.take()) is not None:
             self._commit(group)
+        if self._updating:
+            self._end_update_stage()
+        replace = self._path != self._root
         survivors = _Survivors(source, prune or replace or self._rebuilt_in_place, emptied)
         restamped = Restamps(restamps)
         with _io_errors(self._shown):
@@ -731,6 +745,16 @@ class _ParquetDirStore:
         if self._may_optimize:
             self._tidy()
         return len(self.replaced - source.keys()) if replace else len(survivors.deleted)
+
+    def _end_update_stage(self) -> None:
+        """An update's staged parts moved in, numbered after the old ones, so that the copies of their ids in the
+        old parts are the older ones, which finish then removes. A kill in between leaves both copies to readers
+        until the next run, which reads the newer ones as its own and removes the others."""
+        with _io_errors(self._shown):
+            if self._fs.isdir(self._path):
+                self._move_in(self._path)
+                self._fs.rm(self._path, recursive=True)
+        self._path, self._updating = self._root, False
 
     def _swap_in(self) -> None:
         """Move the staged parts into the directory, numbered after the old ones, then remove the old ones.
@@ -756,14 +780,18 @@ class _ParquetDirStore:
         if not isinstance(old, list) or not all(isinstance(name, str) for name in old):
             raise UserError(f"cannot read {listing}, the list of the old parts that a --rebuild was replacing when it "
                             f"was cut short; remove the folder {stage} and run with --rebuild")
-        present = self._parts(self._root)
-        number = _part_number(present[-1]) + 1 if present else 0
-        for offset, part in enumerate(self._parts(stage)):
-            self._fs.mv(part, posixpath.join(self._root, f"part-{number + offset:05d}.parquet"))
+        self._move_in(stage)
         if doomed := [path for name in old if self._fs.exists(path := posixpath.join(self._root, name))]:
             self._fs.rm(doomed)
         self._fs.rm(stage, recursive=True)
         return True
+
+    def _move_in(self, stage: str) -> None:
+        """A stage's parts moved into the directory in their order, numbered after every part there."""
+        present = self._parts(self._root)
+        number = _part_number(present[-1]) + 1 if present else 0
+        for offset, part in enumerate(self._parts(stage)):
+            self._fs.mv(part, posixpath.join(self._root, f"part-{number + offset:05d}.parquet"))
 
     def _tidy(self) -> None:
         """Small parts merged, in part order, into parts of up to COMPACT_TARGET_ROWS rows, once

@@ -10,6 +10,7 @@ import textwrap
 import lancedb
 import numpy as np
 import pyarrow as pa
+import pyarrow.dataset
 import pyarrow.parquet as pq
 import pytest
 
@@ -207,16 +208,65 @@ def test_changed_ids_are_updated_new_ones_added_and_pruned_ones_deleted(tmp_path
     assert rows["a"]["content_key"] == "k-a"
 
 
-def test_parquet_dir_keeps_one_copy_per_id_after_a_kill_between_commit_and_cleanup(tmp_path):
+def keys_of(tmp_path) -> list[tuple[str, str]]:
+    table = read_back(tmp_path, "dir/")
+    return sorted(zip(table.column("id").to_pylist(), table.column("content_key").to_pylist()))
+
+
+def test_an_update_of_a_parquet_dir_shows_readers_one_copy_per_id_until_finish_and_after_a_kill(tmp_path):
+    """An update's groups wait in a stage hidden from readers: a changed row's new part beside its old one
+    would show both copies (a kill left them so until the next run, which refused the output as an index)."""
     write(tmp_path, "dir/", ["a", "b"])  # part-00000: a and b, both with their old keys
     store = open_store(str(tmp_path / "dir"), schema(), commit_rows=1)
-    store.write(batch(["b"], keys=["k-b2"]))  # part-00001 commits; the kill comes before finish
+    store.write(batch(["b", "c"], keys=["k-b2", "k-c"]))  # two groups commit; the kill comes before finish
+    store.abort()
+    assert keys_of(tmp_path) == [("a", "k-a"), ("b", "k-b")] and parts(tmp_path) == ["part-00000.parquet"]
+    assert pyarrow.dataset.dataset(tmp_path / "dir").to_table().num_rows == 2  # pyarrow leaves the stage out too
     store = open_store(str(tmp_path / "dir"), schema())
-    assert store.existing == {"a": "k-a", "b": "k-b2"}  # the newest copy counts
-    store.finish({"a": "k-a", "b": "k-b2"}, prune=False)
-    table = read_back(tmp_path, "dir/").sort_by("id")
-    assert table.column("id").to_pylist() == ["a", "b"]
-    assert table.column("content_key").to_pylist() == ["k-a", "k-b2"]
+    assert store.existing == {"a": "k-a", "b": "k-b2", "c": "k-c"}  # the stage is this run's committed work
+    store.finish({"a": "k-a", "b": "k-b2", "c": "k-c"}, prune=False)
+    assert keys_of(tmp_path) == [("a", "k-a"), ("b", "k-b2"), ("c", "k-c")]
+    assert sorted(os.listdir(tmp_path / "dir")) == parts(tmp_path)  # no stage left
+
+
+def test_an_update_killed_while_moving_its_parts_in_is_finished_by_the_next_run(tmp_path, monkeypatch):
+    write(tmp_path, "dir/", ["a", "b"])
+    store = open_store(str(tmp_path / "dir"), schema(), commit_rows=1)
+    store.write(batch(["a", "b"], keys=["k-a2", "k-b2"]))
+    moves = 0
+    move = store._fs.mv
+
+    def kill_at_the_second_move(*args, **kwargs):
+        nonlocal moves
+        moves += 1
+        if moves == 2:
+            raise KeyboardInterrupt
+        return move(*args, **kwargs)
+
+    monkeypatch.setattr(store._fs, "mv", kill_at_the_second_move)
+    with pytest.raises(KeyboardInterrupt):
+        store.finish({"a": "k-a2", "b": "k-b2"}, prune=False)
+    monkeypatch.undo()
+    assert keys_of(tmp_path) == [("a", "k-a"), ("a", "k-a2"), ("b", "k-b")]  # what readers see until the next run
+    store = open_store(str(tmp_path / "dir"), schema(), commit_rows=1)
+    assert store.existing == {"a": "k-a2", "b": "k-b2"}
+    store.write(batch(["c"], keys=["k-c"]))
+    store.finish({"a": "k-a2", "b": "k-b2", "c": "k-c"}, prune=False)
+    assert keys_of(tmp_path) == [("a", "k-a2"), ("b", "k-b2"), ("c", "k-c")]
+
+
+def test_a_rebuild_drops_a_killed_updates_stage(tmp_path):
+    write(tmp_path, "dir/", ["a"])
+    store = open_store(str(tmp_path / "dir"), schema(), commit_rows=1)
+    store.write(batch(["a"], keys=["k-a2"]))
+    store.abort()
+    assert (tmp_path / "dir" / ".update").is_dir()
+    other = schema(META | {"embedctl.weights_sha256": "new"})
+    store = open_store(str(tmp_path / "dir"), other, rebuild=True)
+    assert store.existing == {} and not (tmp_path / "dir" / ".update").exists()
+    store.write(batch(["a"], keys=["k-a3"], sch=other))
+    store.finish({"a": "k-a3"}, prune=False)
+    assert keys_of(tmp_path) == [("a", "k-a3")]
 
 
 def parts(tmp_path) -> list[str]:

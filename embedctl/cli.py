@@ -514,7 +514,11 @@ def _within(path: str, folder: str) -> bool:
 def _check_report_path(report: Path | None) -> None:
     """Refuse a --report path that cannot be written before the run, not after it. Nothing is written to
     find out: a run that fails later writes its error there, and a run refused here leaves no empty file."""
-    if report is None or _to_stdout(report):
+    if report is None:
+        return
+    if _to_stdout(report):
+        if sys.stdout is None:  # started with stdout closed (>&-): the report would be lost without a word
+            raise UserError("standard output is closed, and --report - writes there; give --report FILE")
         return
     if not report.parent.is_dir():
         raise UserError(f"--report {report}: the directory {report.parent} does not exist; "

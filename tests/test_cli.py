@@ -435,6 +435,11 @@ def test_a_report_named_dash_goes_to_stdout_and_score_keeps_stdout_for_its_run(t
     closed = subprocess.run(f"{sys.executable} -m embedctl.cli index docs.jsonl --out y.lance -v --report - 2>&-",
                             shell=True, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, text=True, timeout=300)
     assert json.loads(closed.stdout)["added"] == len(good_rows("a"))
+    # with stdout closed, the report would be lost without a word
+    lost = subprocess.run(f"{sys.executable} -m embedctl.cli index docs.jsonl --out z.lance --report - >&-",
+                          shell=True, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert_one_error_line(lost, "standard output is closed, and --report - writes there; give --report FILE")
+    assert not (tmp_path / "z.lance").exists()
 
 
 def test_a_glob_in_the_output_folder_takes_an_output_it_would_never_read(tmp_path: Path) -> None:

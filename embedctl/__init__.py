@@ -17,6 +17,10 @@ _LAZY = {"Embedder": "embedctl.api", "load": "embedctl.api", "UserError": "engin
 __all__ = ["Embedder", "UserError", "load"]
 
 
+def __dir__() -> list[str]:  # the lazy names too, for completion in a REPL or an editor
+    return sorted({*globals(), *__all__})
+
+
 def __getattr__(name: str) -> object:
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)

@@ -33,6 +33,11 @@ _CLI_OPTION = re.compile(r"--(attention|device|dim|dtype|lanes|max-batch-tokens|
                          r"b?float(?:16|32))\b))?")
 
 
+_LONE_SURROGATE = ("holds a lone surrogate (a \\ud800-\\udfff code point, as an unpaired JSON escape decodes to), "
+                   "which is not valid Unicode and no tokenizer takes; remove it, e.g. "
+                   "text.encode('utf-8', 'replace').decode()")
+
+
 class Embedder:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -49,17 +54,30 @@ class Embedder:
         As sentence-transformers' encode(): `prompt`, or the model's prompt named `prompt_name`, or its default
         prompt (default_prompt_name) goes before every text. embed_query and embed_document put the prompt
         first that `embedctl score` puts before queries and `embedctl index` before documents."""
-        return self._embed(texts, resolve_prompt(self.engine.files, None, prompt, prompt_name))
+        return self._embed(texts, self._prompt(None, prompt, prompt_name))
 
-    def embed_query(self, texts: Sequence[str]) -> np.ndarray:
+    def embed_query(self, texts: Sequence[str], prompt: str | None = None,
+                    prompt_name: str | None = None) -> np.ndarray:
         """embed() with the prompt `embedctl score` puts before queries: the model's query prompt, else none (as
-        sentence-transformers' encode_query, which since v6 never falls back to the default prompt)."""
-        return self._embed(texts, resolve_prompt(self.engine.files, "query", None, None))
+        sentence-transformers' encode_query, which since v6 never falls back to the default prompt); `prompt` or
+        `prompt_name` instead, as --query-prompt and --query-prompt-name give it there."""
+        return self._embed(texts, self._prompt("query", prompt, prompt_name))
 
-    def embed_document(self, texts: Sequence[str]) -> np.ndarray:
-        """embed() with the prompt `embedctl index` puts before documents: the model's document (or passage, or
-        corpus) prompt, else none (as sentence-transformers' encode_document since v6)."""
-        return self._embed(texts, resolve_prompt(self.engine.files, "document", None, None))
+    def embed_document(self, texts: Sequence[str], prompt: str | None = None,
+                       prompt_name: str | None = None) -> np.ndarray:
+        """embed() with the prompt `embedctl index` puts before documents: the model's document prompt, else its
+        passage or corpus prompt, else none; `prompt` or `prompt_name` instead, as --doc-prompt and
+        --doc-prompt-name give it there. (sentence-transformers 6's encode_document looks for the same names, but
+        finds the empty document prompt it gives every model first, so it never uses a passage or corpus prompt.)"""
+        return self._embed(texts, self._prompt("document", prompt, prompt_name))
+
+    def _prompt(self, role: str | None, prompt: object, prompt_name: object) -> str:
+        for name, value in (("prompt", prompt), ("prompt_name", prompt_name)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} is {type(value).__name__}, not a string")
+        if prompt is not None and not _encodable(prompt):
+            raise UserError(f"the prompt {_LONE_SURROGATE}")
+        return resolve_prompt(self.engine.files, role, prompt, prompt_name)
 
     def _embed(self, texts: Sequence[str], prompt: str) -> np.ndarray:
         if self.engine.num_labels:  # its engine and tokenizer still serve pipelines.score's rerank()
@@ -77,9 +95,7 @@ class Embedder:
         if (bad := next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)) is not None:
             raise TypeError(f"texts[{bad}] is {type(texts[bad]).__name__}, not a string; embed() takes a list of texts")
         if (bad := next((i for i, text in enumerate(texts) if not _encodable(text)), None)) is not None:
-            raise UserError(f"texts[{bad}] holds a lone surrogate (a \\ud800-\\udfff code point, as an unpaired JSON "
-                            "escape decodes to), which is not valid Unicode and no tokenizer takes; remove it, e.g. "
-                            "text.encode('utf-8', 'replace').decode()")
+            raise UserError(f"texts[{bad}] {_LONE_SURROGATE}")
         return self.engine.embed(self.tokenizer.encode([prompt + text for text in texts] if prompt else texts).ids)
 
 
@@ -108,7 +124,7 @@ def _as_argument(match: re.Match) -> str:
     """--device cpu as device='cpu', --dim 256 as dim=256, a bare --normalize as normalize=True."""
     name, value = match.group(1).replace("-", "_"), match.group(2)
     if value is None:
-        return f"{name}=True" if name == "normalize" else name
+        return {"normalize": "normalize=True", "model": "load()'s model argument"}.get(name, name)
     if value.startswith("'") or re.fullmatch(r"\d+", value):
         return f"{name}={value}"
     return f"{name}={value!r}"

@@ -116,6 +116,11 @@ def resolve_model(name: str | None) -> ModelFiles:
     prompts = st_config.get("prompts") or {}
     if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
         raise UserError(f"{st_file}: prompts must map names to texts; repair or replace the model's files")
+    default_prompt = st_config.get("default_prompt_name")
+    if default_prompt is not None and default_prompt not in (*prompts, "query", "document"):
+        # as sentence-transformers refuses to load it (every model has the names query and document since v6)
+        raise UserError(f"{st_file}: default_prompt_name {default_prompt!r} names no prompt (it has: "
+                        f"{', '.join(sorted(prompts)) or 'none'}); repair or replace the model's files")
     truncate_dim = st_config.get("truncate_dim")
     if truncate_dim is not None and (isinstance(truncate_dim, bool) or not isinstance(truncate_dim, int)
                                      or truncate_dim < 1):
@@ -127,7 +132,7 @@ def resolve_model(name: str | None) -> ModelFiles:
                         "model's files")
     return ModelFiles(name=name, path=path, config=config, pooling=pooling, normalize="Normalize" in classes,
                       max_length=_max_length(path, config), quantization=quantization, prompts=dict(prompts),
-                      default_prompt_name=st_config.get("default_prompt_name"), pooling_includes_prompt=includes_prompt,
+                      default_prompt_name=default_prompt, pooling_includes_prompt=includes_prompt,
                       score_activation=st_config.get("activation_fn")
                       or (config.get("sentence_transformers") or {}).get("activation_fn")
                       or config.get("sbert_ce_default_activation_function"), dense=dense, similarity=similarity,

@@ -670,3 +670,59 @@ def test_the_python_api_puts_prompts_first_as_sentence_transformers_and_the_pipe
     np.testing.assert_allclose(ours.embed_document(texts), reference.encode_document(texts), atol=1e-5)
     np.testing.assert_allclose(ours.embed_query(texts), ours.embed(texts, prompt=""), atol=1e-6)
     assert not np.allclose(ours.embed(texts), ours.embed_query(texts), atol=1e-3)
+
+
+def test_embed_query_and_embed_document_take_a_prompt_as_encode_query_and_encode_document_do(random_bert) -> None:
+    """As --query-prompt / --doc-prompt (and their names) on the command line; a model's prompt that its pooling
+    leaves out is refused with advice (prompt='') that these methods can now follow."""
+    from sentence_transformers import SentenceTransformer
+
+    (random_bert / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "query: ", "short": "q: "}}))
+    reference, ours = SentenceTransformer(str(random_bert), device="cpu"), embedctl.load(str(random_bert), device="cpu")
+    texts = TEXTS[:2]
+    for method, st_method in ((ours.embed_query, reference.encode_query), (ours.embed_document, reference.encode_document)):
+        np.testing.assert_allclose(method(texts, prompt="x: "), st_method(texts, prompt="x: "), atol=1e-5)
+        np.testing.assert_allclose(method(texts, prompt_name="short"), st_method(texts, prompt_name="short"), atol=1e-5)
+    np.testing.assert_allclose(ours.embed_query(texts, prompt=""), ours.embed(texts), atol=1e-6)
+    _edit_json(random_bert / "1_Pooling" / "config.json", include_prompt=False)
+    left_out = embedctl.load(str(random_bert), device="cpu")
+    with pytest.raises(UserError, match="prompt='' in Python"):
+        left_out.embed_query(texts)
+    np.testing.assert_allclose(left_out.embed_query(texts, prompt=""), ours.embed(texts), atol=1e-6)
+
+
+def test_a_model_with_a_passage_prompt_puts_it_before_documents(random_bert) -> None:
+    """The name some models give their document prompt (E5's "passage: "): embedctl index and embed_document use
+    it, as sentence-transformers' encode_document means to (it looks for document, passage, corpus), though 6.3
+    finds its own empty document prompt first."""
+    (random_bert / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "query: ", "passage": "passage: "}}))
+    ours = embedctl.load(str(random_bert), device="cpu")
+    np.testing.assert_allclose(ours.embed_document(TEXTS[:2]), ours.embed(TEXTS[:2], prompt="passage: "), atol=1e-6)
+
+
+@pytest.mark.parametrize("prompt, error, message", [
+    (5, TypeError, "^prompt is int, not a string$"), (b"q: ", TypeError, "^prompt is bytes, not a string$"),
+    ("\ud800 ", UserError, r"^the prompt holds a lone surrogate .* remove it")])
+def test_a_bad_prompt_is_one_clear_error_even_for_no_texts(random_bert, prompt, error, message) -> None:
+    ours = embedctl.load(str(random_bert), device="cpu")
+    for texts in (["a"], []):
+        with pytest.raises(error, match=message):
+            ours.embed(texts, prompt=prompt)
+    with pytest.raises(TypeError, match="^prompt_name is int, not a string$"):
+        ours.embed_query(["a"], prompt_name=1)
+
+
+def test_a_default_prompt_name_that_names_no_prompt_is_refused_at_load_as_sentence_transformers_does(random_bert):
+    (random_bert / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "query: "}, "default_prompt_name": "nope"}))
+    with pytest.raises(UserError, match=r"config_sentence_transformers.json: default_prompt_name 'nope' names no "
+                                        r"prompt \(it has: query\); repair or replace the model's files$"):
+        embedctl.load(str(random_bert), device="cpu")
+    _edit_json(random_bert / "config_sentence_transformers.json", default_prompt_name="document")  # every model's
+    assert embedctl.load(str(random_bert), device="cpu").embed(["a"]).shape == (1, 64)
+
+
+def test_the_package_lists_its_lazy_names() -> None:
+    assert {"load", "Embedder", "UserError"} <= set(dir(embedctl))

@@ -384,10 +384,12 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
         for ids, vectors in docs.chunks(options.chunk_rows):
             for doc_id in ids:  # embedctl writes unique ids; a table appended to by other means may not hold them
                 if doc_id in seen:
-                    # A directory of parts holds both copies of an updated row until its run finishes.
+                    # A directory of parts holds both copies of an updated row while its run's finish rewrites
+                    # the old parts, and after a kill there until the next run.
                     raise UserError(f"--index {docs.path}: duplicate document id {doc_id!r}; if an `embedctl index` "
-                                    "run into it was cut off, run it again to finish it, else rebuild the table with "
-                                    "`embedctl index --rebuild` from documents with unique ids")
+                                    "run into it is ending, score once it has ended; if one was cut off, run it again "
+                                    "to finish it; else rebuild the table with `embedctl index --rebuild` from "
+                                    "documents with unique ids")
                 if options.format == "trec" and _WHITESPACE.search(doc_id):
                     raise UserError(f"--index {docs.path}: document id {doc_id!r} holds whitespace, which a TREC run "
                                     "cannot; use --format jsonl or ids without whitespace")

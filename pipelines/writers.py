@@ -647,9 +647,11 @@ def _id_in(ids: Sequence[str]) -> str:
 class _ParquetDirStore:
     """A directory whose *.parquet files are the table (other files are left alone); each group is a new
     part. A first build commits its parts in place. A run into a directory that holds parts stages them in
-    DIR/.update, hidden from readers, and moves them in at finish before it removes the copies they replace: a
-    changed row's new part beside its old one would show readers both until then, and after a kill until the
-    next run. A killed update's stage is the next run's committed work, moved in at its finish. A rebuild stages
+    DIR/.update, hidden from readers, and moves them in at finish before it rewrites the old parts without the
+    copies they replace: readers see a changed row twice only while finish rewrites (committed beside its old
+    copy, it was twice for the whole run, and after a kill until the next run). Plain files cannot change
+    together; a LanceDB table's commits can. A killed update's stage is the next run's committed work, moved in at
+    its finish; a rebuild's swap removes it. A rebuild stages
     its parts in DIR/.rebuild and moves them in at finish, after the old parts; a rebuild run again with the same
     settings after a crash mid-swap goes on from what that swap brought in (as one cut short earlier goes on from
     its stage)."""
@@ -673,15 +675,14 @@ class _ParquetDirStore:
             self._rebuilt_in_place = rebuild and swapped and not any(_incompatibility(old, schema) for old in schemas)
             update_stage = posixpath.join(path, _UPDATE)
             self._updating = not rebuild and bool(old_parts or self._parts(update_stage))
-            if rebuild and fs.isdir(update_stage):  # a killed update's rows, which the rebuild embeds again
-                fs.rm(update_stage, recursive=True)
             if rebuild and not self._rebuilt_in_place:  # staged even with no old parts: a killed first build resumes
                 self.replaced = {row_id for part in old_parts for row_id in _ids(fs, part)}
                 self._path = posixpath.join(path, _REBUILD)
                 if any(_incompatibility(_read_schema(fs, p, shown), schema) for p in self._parts(self._path)):
                     fs.rm(self._path, recursive=True)  # a rebuild for other settings, left by a killed run
             else:
-                for old in schemas + [_read_schema(fs, part, shown) for part in self._parts(update_stage)]:
+                staged = [_read_schema(fs, part, shown, stage=update_stage) for part in self._parts(update_stage)]
+                for old in schemas + staged:
                     _check_compatible(shown, old, schema)
                 if self._updating:
                     self._path = update_stage
@@ -748,8 +749,9 @@ class _ParquetDirStore:
 
     def _end_update_stage(self) -> None:
         """An update's staged parts moved in, numbered after the old ones, so that the copies of their ids in the
-        old parts are the older ones, which finish then removes. A kill in between leaves both copies to readers
-        until the next run, which reads the newer ones as its own and removes the others."""
+        old parts are the older ones, which finish then removes: until it has, readers see both (rather than
+        neither, as removing first would show them), and after a kill until the next run, which reads the newer
+        ones as its own and removes the others."""
         with _io_errors(self._shown):
             if self._fs.isdir(self._path):
                 self._move_in(self._path)
@@ -783,6 +785,8 @@ class _ParquetDirStore:
         self._move_in(stage)
         if doomed := [path for name in old if self._fs.exists(path := posixpath.join(self._root, name))]:
             self._fs.rm(doomed)
+        if self._fs.isdir(update_stage := posixpath.join(self._root, _UPDATE)):  # a killed update's, now replaced
+            self._fs.rm(update_stage, recursive=True)
         self._fs.rm(stage, recursive=True)
         return True
 
@@ -1071,10 +1075,16 @@ def _check_batch(batch: pa.RecordBatch, schema: pa.Schema) -> None:
         raise ValueError(f"batch schema ({_columns(batch.schema)}) is not the output schema ({_columns(schema)})")
 
 
-def _read_schema(fs: fsspec.AbstractFileSystem, path: str, shown: str) -> pa.Schema:
+def _read_schema(fs: fsspec.AbstractFileSystem, path: str, shown: str, stage: str | None = None) -> pa.Schema:
+    """A part's schema. One that cannot be read is refused: in the directory as not embedctl's, in the `stage`
+    of a cut-off update as rows to embed again."""
     try:
         return pq.read_schema(path, filesystem=fs)
     except (pa.ArrowException, OSError) as e:
+        if stage is not None:
+            raise UserError(f"cannot update {shown}: {path} is not a readable Parquet file ({short_reason(e)}); it "
+                            f"holds rows a cut-off run embedded: remove the folder {stage} and run again to embed "
+                            "them again") from None
         # embedctl writes a file whole under another name and renames it: one it cannot read is not its own.
         raise UserError(
             f"cannot update {shown}: {posixpath.basename(path)} is not a readable Parquet file ({short_reason(e)}), "

@@ -717,8 +717,9 @@ def test_index_table_with_a_repeated_id_is_refused(sample_table: Path, tmp_path:
     options = ScoreOptions(queries=str(QUERIES), index=str(repeated))
     inputs = open_inputs(options)
     doc_id = table.column("id")[7].as_py()
-    with pytest.raises(UserError, match=f"duplicate document id '{doc_id}'; if an `embedctl index` run into it was cut "
-                                        "off, run it again to finish it, else rebuild the table"):
+    with pytest.raises(UserError, match=f"duplicate document id '{doc_id}'; if an `embedctl index` run into it is "
+                                        "ending, score once it has ended; if one was cut off, run it again to finish "
+                                        "it; else rebuild the table"):
         rank(model.engine, model.tokenizer, inputs.queries, inputs.table, options)
 
 

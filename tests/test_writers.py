@@ -255,18 +255,30 @@ def test_an_update_killed_while_moving_its_parts_in_is_finished_by_the_next_run(
     assert keys_of(tmp_path) == [("a", "k-a2"), ("b", "k-b2"), ("c", "k-c")]
 
 
-def test_a_rebuild_drops_a_killed_updates_stage(tmp_path):
+def test_a_killed_updates_stage_stays_through_a_rebuild_cut_short_and_goes_when_one_replaces_the_output(tmp_path):
     write(tmp_path, "dir/", ["a"])
     store = open_store(str(tmp_path / "dir"), schema(), commit_rows=1)
     store.write(batch(["a"], keys=["k-a2"]))
     store.abort()
-    assert (tmp_path / "dir" / ".update").is_dir()
     other = schema(META | {"embedctl.weights_sha256": "new"})
+    open_store(str(tmp_path / "dir"), other, rebuild=True).abort()  # refused, or killed, before it replaced anything
+    assert open_store(str(tmp_path / "dir"), schema()).existing == {"a": "k-a2"}  # the update's work is kept
     store = open_store(str(tmp_path / "dir"), other, rebuild=True)
-    assert store.existing == {} and not (tmp_path / "dir" / ".update").exists()
+    assert store.existing == {}
     store.write(batch(["a"], keys=["k-a3"], sch=other))
     store.finish({"a": "k-a3"}, prune=False)
-    assert keys_of(tmp_path) == [("a", "k-a3")]
+    assert keys_of(tmp_path) == [("a", "k-a3")] and not (tmp_path / "dir" / ".update").exists()
+
+
+def test_a_broken_staged_part_is_named_where_it_is_with_the_way_out(tmp_path):
+    write(tmp_path, "dir/", ["a"])
+    (tmp_path / "dir" / ".update").mkdir()
+    (tmp_path / "dir" / ".update" / "part-00001.parquet").write_bytes(b"")
+    with pytest.raises(UserError, match=r"dir/\.update/part-00001\.parquet is not a readable Parquet file .*remove "
+                                        r"the folder .*dir/\.update and run again"):
+        open_store(str(tmp_path / "dir"), schema())
+    shutil.rmtree(tmp_path / "dir" / ".update")
+    assert open_store(str(tmp_path / "dir"), schema()).existing == {"a": "k-a"}
 
 
 def parts(tmp_path) -> list[str]:

@@ -55,7 +55,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             seen = seen.lstrip(b"\r\n")
         ends = [seen.find(blank) + len(blank) for blank in (b"\r\n\r\n", b"\n\n") if blank in seen]
         if ends:
-            return max(0, min(ends) - len(self._head_tail))
+            return min(ends) - len(self._head_tail)  # past the tail: a blank line in it would have ended the head
         self._head_tail = seen[-3:]
         return len(data)
 

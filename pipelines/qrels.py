@@ -1,7 +1,10 @@
 """Relevance judgements (qrels) and the retrieval metrics of a run against them.
 
-Qrels come as a TREC qrels file (`query_id iteration doc_id relevance` per line) or as JSONL rows
-{"query_id", "doc_id", "relevance"}. Metrics follow trec_eval's definitions: nDCG@10 with linear
+Qrels come as a TREC qrels file (`query_id iteration doc_id relevance` per line), as BEIR's qrels TSV
+(`query-id corpus-id score`, its header line too) or as JSONL rows {"query_id", "doc_id", "relevance"},
+under BEIR's and MTEB's key names too ("query-id", "corpus-id", "score"); a row without a grade is a
+relevant pair (relevance 1) only when it holds nothing but the two ids, so that a grade under a key of
+another name is refused rather than read as relevant. Metrics follow trec_eval's definitions: nDCG@10 with linear
 gains (relevance / log2(rank + 1), ideal order from the judgements), MRR@10 (reciprocal rank of the
 first relevant document in the top 10) and Recall@k (relevant documents found in the run's top k over
 all relevant ones); a document is relevant when its relevance is above 0. Averages are over the
@@ -31,6 +34,9 @@ from pipelines.progress import plural
 from pipelines.readers import id_text
 
 CUTOFF = 10
+# A JSONL judgement's keys: ours first, then BEIR's and MTEB's.
+QUERY_KEYS, DOC_KEYS, GRADE_KEYS = ("query_id", "query-id"), ("doc_id", "corpus-id"), ("relevance", "score")
+BEIR_HEADER = ["query-id", "corpus-id", "score"]
 EXAMPLES = 3  # judged documents missing from the ranked set named in the warning
 
 Qrels = dict[str, dict[str, int]]  # query id -> doc id -> relevance
@@ -85,7 +91,9 @@ def read_qrels(path: str, query_ids: Sequence[str]) -> Qrels:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        query_id, doc_id, relevance = _parse(path, number, line)
+        if (judgement := _parse(path, number, line)) is None:
+            continue
+        query_id, doc_id, relevance = judgement
         judged = qrels.setdefault(query_id, {})
         if judged.get(doc_id, relevance) != relevance:
             # trec_eval refuses any repeated judgement; one repeated as it was changes nothing and passes here.
@@ -136,19 +144,41 @@ def evaluate(query_ids: Sequence[str], doc_ids: Sequence[Sequence[str]], qrels: 
                    docs_missing_examples=tuple(missing[:EXAMPLES]))
 
 
-def _parse(path: str, number: int, line: str) -> tuple[str, str, int]:
+def _parse(path: str, number: int, line: str) -> tuple[str, str, int] | None:
+    """Line `number`'s judgement, or None for BEIR's header line."""
     if line.lstrip().startswith("{"):
-        try:
-            row = json.loads(line)
-            return _json_id(row["query_id"]), _json_id(row["doc_id"]), _json_relevance(row.get("relevance", 1))
-        except (ValueError, KeyError, TypeError):
-            raise UserError(f"--qrels {path} line {number}: not a JSON object with query_id, doc_id and an integer "
-                            "relevance; fix the line") from None
+        return _parse_json(path, number, line)
     fields = line.split()
-    if len(fields) != 4 or not _is_int(fields[3]):
-        raise UserError(f"--qrels {path} line {number}: expected 'query_id iteration doc_id relevance' "
-                        f"with an integer relevance, got {line.strip()[:80]!r}; fix the line")
-    return fields[0], fields[2], int(fields[3])
+    if number == 1 and fields == BEIR_HEADER:
+        return None
+    if len(fields) not in (3, 4) or not _is_int(fields[-1]):
+        raise UserError(f"--qrels {path} line {number}: expected 'query_id iteration doc_id relevance' (TREC) or "
+                        f"'query-id corpus-id score' (BEIR) with an integer relevance, got {line.strip()[:80]!r}; "
+                        "fix the line")
+    return fields[0], fields[-2], int(fields[-1])
+
+
+def _parse_json(path: str, number: int, line: str) -> tuple[str, str, int]:
+    try:
+        row = json.loads(line)
+        query_key, doc_key, grade_key = (_key(row, keys) for keys in (QUERY_KEYS, DOC_KEYS, GRADE_KEYS))
+        query_id, doc_id = _json_id(row[query_key]), _json_id(row[doc_key])
+        relevance = _json_relevance(row[grade_key]) if grade_key is not None else None
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"--qrels {path} line {number}: not a JSON object with query_id, doc_id and an integer "
+                        "relevance; fix the line") from None
+    if relevance is None:
+        others = sorted(set(row).difference({query_key, doc_key}))
+        if others:
+            raise UserError(f"--qrels {path} line {number}: no relevance key (its keys: {', '.join(row)}); name the "
+                            "grade relevance (or score), or keep only query_id and doc_id for a relevant pair")
+        relevance = 1
+    return query_id, doc_id, relevance
+
+
+def _key(row: dict, names: tuple[str, ...]) -> str | None:
+    """The first of names that row holds (ours before BEIR's), or None."""
+    return next((name for name in names if name in row), None)
 
 
 def _json_id(value: object) -> str:

@@ -335,6 +335,24 @@ def test_jsonl_qrels_read_like_trec(tmp_path: Path) -> None:
     assert read_qrels(str(tmp_path / "qrels.jsonl"), ["q1", "q2"]) == {"q1": {"a": 2}, "q2": {"b": 1}}
 
 
+def test_beir_qrels_read_like_trec(tmp_path: Path) -> None:
+    # BEIR's qrels/test.tsv (header and all), and MTEB's JSONL rows, name the grade "score".
+    (tmp_path / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\ta\t2\nq2\tb\t0\n")
+    assert read_qrels(str(tmp_path / "test.tsv"), ["q1", "q2"]) == {"q1": {"a": 2}, "q2": {"b": 0}}
+    write_jsonl(tmp_path / "qrels.jsonl", [{"query-id": "q1", "corpus-id": "a", "score": 0}])
+    assert read_qrels(str(tmp_path / "qrels.jsonl"), ["q1"]) == {"q1": {"a": 0}}
+    (tmp_path / "late.tsv").write_text("q1\ta\t1\nquery-id\tcorpus-id\tscore\n")  # a header only heads the file
+    with pytest.raises(UserError, match="late.tsv line 2: expected 'query_id iteration doc_id relevance'"):
+        read_qrels(str(tmp_path / "late.tsv"), ["q1"])
+
+
+def test_a_jsonl_grade_under_a_key_of_another_name_is_refused_not_read_as_relevant(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "qrels.jsonl", [{"query_id": "q1", "doc_id": "a", "label": 0}])
+    with pytest.raises(UserError, match=r"qrels.jsonl line 1: no relevance key \(its keys: query_id, doc_id, label\); "
+                                        r"name the grade relevance \(or score\), or keep only query_id and doc_id"):
+        read_qrels(str(tmp_path / "qrels.jsonl"), ["q1"])
+
+
 def test_jsonl_qrels_read_number_ids_as_the_corpus_readers_do(tmp_path: Path) -> None:
     # A corpus row {"id": 10.0} is document "10", so a judgement naming doc_id 10.0 must judge it.
     write_jsonl(tmp_path / "qrels.jsonl", [{"query_id": 1, "doc_id": 10.0, "relevance": 1}, {"query_id": 2.0, "doc_id": 20}])

@@ -27,7 +27,7 @@ from engine.config import DEVICE_NAME
 from engine.checkpoint import resolve_model
 from pipelines.index import IndexModel, IndexOptions, IndexReport, lock_output, open_corpus, run_index
 from pipelines.lock import OutputLocked
-from pipelines.readers import glob_base, glob_reads
+from pipelines.readers import glob_base, glob_reads, is_glob
 from pipelines.writers import commits_in_groups
 
 if TYPE_CHECKING:
@@ -447,12 +447,12 @@ def _check_paths(report: Path | None, inputs: list[str], out: str | None) -> Non
             _fail("an input path is empty; give a file, a directory or a glob of corpus files", None)
     there = _local(out) if out is not None and out.strip("/") else None  # '' and / name no output: refused later
     for source in inputs:
-        here = _local(glob_base(source))
+        globbed = is_glob(source)
+        here = _local(glob_base(source) if globbed else source)
         if here is None or there is None:
             continue
         folder = out.endswith("/") or os.path.isdir(there)
-        if _within(here, there) or (_within(there, here) if source == glob_base(source)
-                                    else _glob_reads(source, there, folder)):
+        if _within(here, there) or (_glob_reads(source, there, folder) if globbed else _within(there, here)):
             _fail(f"--out {out} and the input {source} overlap, so the output would overwrite or be read as "
                   "input; write the output outside the input", None)
     if report is not None and not _to_stdout(report):
@@ -460,10 +460,11 @@ def _check_paths(report: Path | None, inputs: list[str], out: str | None) -> Non
         for path in (*inputs, *([out] if out is not None else [])):
             if (local := _local(path)) is None:
                 continue
-            if path != glob_base(path) and _glob_reads(path, written):
+            globbed = is_glob(path)
+            if globbed and _glob_reads(path, written):
                 _fail(f"--report {report} would be read as input by {path} on a later run; give the report a path "
                       "the glob does not match", None)
-            if path == glob_base(path) and _within(written, local):
+            if not globbed and _within(written, local):
                 _fail(f"--report {report} would overwrite {path}, which this run reads or writes; give the report "
                       "a path of its own", None)
 

@@ -77,6 +77,7 @@ class _File:
     rows: int = 0  # Parquet only, from the footer
     partitions: dict[str, str | None] = field(default_factory=dict)  # its key=value folders (_partitions)
     folder_keys: list[str] = field(default_factory=list)  # the --keep keys whose values it takes from its folders
+    schema: pa.Schema | None = None  # Parquet only: its footer's, as checked when the reader was made
 
 
 class CorpusReader:
@@ -179,6 +180,7 @@ class CorpusReader:
         handle, pfile = self._open_parquet(f)
         with handle:
             schema, f.rows = pfile.schema_arrow, pfile.metadata.num_rows
+        f.schema = schema
         names = ", ".join(schema.names)
         for col in dict.fromkeys([self.text_col, self.id_col, *self.keep]):
             if schema.names.count(col) > 1:
@@ -218,6 +220,10 @@ class CorpusReader:
 
     def _read_parquet(self, f: _File) -> Iterator[Chunk]:
         handle, pfile = self._open_parquet(f)
+        if not pfile.schema_arrow.equals(f.schema):  # rewritten since the checks, which a long run's files can be
+            handle.close()
+            raise UserError(f"{f.shown} changed while this run read the corpus (its columns are not those it had when "
+                            "the run started); run again once the corpus is written")
         names = pfile.schema_arrow.names
         kept = [name for name in self.keep if name in names]  # the others come from the file's folders
         columns = list(dict.fromkeys([self.text_col, *([self.id_col] if f.has_id else []), *kept]))
@@ -487,20 +493,23 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File], list[st
     files that a folder's walk found and left out, as the user would spell them."""
     try:
         fs, root = fsspec.core.url_to_fs(path)
-    except (ValueError, ImportError) as e:
+    except (ValueError, ImportError, OSError) as e:
         raise UserError(f"cannot open {path} ({short_reason(e)}); give a local path or an fsspec URL") from None
+    # A chained URL (zip://docs/*.jsonl::data.zip) spells the path inside first; its files are shown so too.
+    head, chained, chain = path.partition("::")
     try:
         named: set[str] = set()  # files the glob itself matches, not found in a folder it matches
-        if _GLOB.search(path):
-            base = glob_base(path)
+        globbed = _is_glob(fs, root)
+        if globbed:
+            base = glob_base(head)
             found = []
             for match in _glob(fs, root):
                 walked = _walk(fs, match)
                 found += walked
-                if walked == [match] and ".json" in path.rsplit("/", 1)[-1].lower():  # DIR/*.json*, not DIR/*
+                if walked == [match] and ".json" in head.rsplit("/", 1)[-1].lower():  # DIR/*.json*, not DIR/*
                     named.add(match)
         elif fs.isdir(root):
-            base = path if path.endswith("/") else path + "/"
+            base = head if head.endswith("/") else head + "/"
             found = _walk(fs, root)
         elif fs.isfile(root):
             if not _is_corpus_file(root, named=True):
@@ -515,26 +524,30 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File], list[st
             raise UserError(f"{path} does not exist; give a file, a directory or a glob of {_SUFFIX_LIST} files")
     except OSError as e:
         raise UserError(f"cannot list {path} ({short_reason(e)}); check the path and its permissions") from None
-    base_root = fsspec.core.url_to_fs(base or ".")[1].rstrip("/") + "/"
-    spelled = path[len(base):].split("/") if _GLOB.search(path) else []  # the glob's own parts after its base
+    base_root = glob_base(root) if globbed else root.rstrip("/") + "/"
+    spelled = head[len(base):].split("/") if globbed else []  # the glob's own parts after its base
     if isinstance(fs, LocalFileSystem):
         found = _once_each(found)
     files, left_out, json_left_out = [], 0, []
     for p in sorted(set(found)):
         rel = p[len(base_root):] if p.startswith(base_root) else posixpath.basename(p)
+        shown = base + rel + chained + chain
         # Hidden and underscore paths hold temporary or side files (a writer's unfinished parts, Spark's
         # _SUCCESS), as pyarrow's datasets take them; unless a part of the glob spells one so itself (_*.jsonl).
         side = any(part.startswith((".", "_")) and not any(glob[:1] == part[0] and fnmatch.fnmatchcase(part, glob)
                                                            for glob in spelled) for part in rel.split("/"))
         if not _is_corpus_file(p, named=p in named):
             if not side:
-                _refuse_other_compression(base + rel)
+                _refuse_other_compression(shown)
                 if p.lower().endswith(_JSON_SUFFIXES):
-                    json_left_out.append(base + rel)
+                    json_left_out.append(shown)
         elif side:
             left_out += 1
+        elif isinstance(fs, LocalFileSystem) and not os.path.isfile(p):  # reading a pipe would wait for a writer
+            raise UserError(f"{shown} is not a regular file (a pipe or a device); move it out of {path} or "
+                            f"save what it gives to a {_SUFFIX_LIST} file")
         else:
-            files.append(_File(p, base + rel, rel, partitions=_partitions(rel)))
+            files.append(_File(p, shown, rel, partitions=_partitions(rel)))
     if not files:
         hidden = (f" but {plural(left_out, 'file')} under a name that starts with . or _, which are left out as "
                   "temporary or side files; rename them, or name them in a glob (_*.jsonl)") if left_out else ""
@@ -581,6 +594,27 @@ def _refuse_other_compression(shown: str) -> None:
         fix = ("Parquet compresses inside the file: decompress it" if match.group(0).lower().startswith(".parquet")
                else "decompress it, or compress it with gzip (.jsonl.gz)")
         raise UserError(f"{shown} is compressed with .{match.group(1)}, which embedctl does not read; {fix}")
+
+
+def is_glob(path: str) -> bool:
+    """Whether SOURCE path is read as a glob: see _is_glob."""
+    try:
+        fs, root = fsspec.core.url_to_fs(path)
+    except (ValueError, ImportError, OSError):
+        return bool(_GLOB.search(path))  # refused when read; until then, as it is spelled
+    return _is_glob(fs, root)
+
+
+def _is_glob(fs: fsspec.AbstractFileSystem, root: str) -> bool:
+    """Whether a path is a glob: it holds a wildcard (* ? [) and names nothing as spelled. A folder named
+    corpus[v2] is that folder, as ls and pyarrow's datasets take it, not a glob that would read corpus2/
+    (and prune corpus[v2]'s rows)."""
+    if not _GLOB.search(root):
+        return False
+    try:
+        return not fs.exists(root)
+    except OSError:
+        return True
 
 
 def glob_base(path: str) -> str:
@@ -667,13 +701,27 @@ def _unify(f: _File, known: pa.Schema | None, kept: pa.Schema) -> pa.Schema:
     if known is None:
         return kept
     try:
-        return pa.unify_schemas([known, kept], promote_options="permissive")
+        return pa.unify_schemas(_decoded_where_mixed(known, kept), promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
         folders = "".join(f", its folder {name}={f.partitions[name]} giving its '{name}'" for name in f.folder_keys)
         raise UserError(
             f"{f.shown}: a --keep column has a type that earlier files do not share ({short_reason(e)}{folders}); "
             "make the shards agree or drop that column from --keep"
         ) from None
+
+
+def _decoded_where_mixed(*schemas: pa.Schema) -> list[pa.Schema]:
+    """The schemas with a dictionary-encoded column decoded to its values' type where another schema holds that
+    column in a type of its own: pandas writes a categorical as a dictionary, other tools the same column plain,
+    and Arrow's type promotion merges neither with the other."""
+    types: dict[str, set[pa.DataType]] = {}
+    for schema in schemas:
+        for column in schema:
+            types.setdefault(column.name, set()).add(column.type)
+    mixed = {name for name, kinds in types.items() if len(kinds) > 1 and any(map(pa.types.is_dictionary, kinds))}
+    return [pa.schema([column.with_type(column.type.value_type) if column.name in mixed
+                       and pa.types.is_dictionary(column.type) else column for column in schema])
+            for schema in schemas]
 
 
 def _fitted(column: pa.Array, known: pa.DataType) -> pa.Array | None:

@@ -4,6 +4,7 @@ import codecs
 import gzip
 import json
 import os
+import zipfile
 from decimal import Decimal
 
 import fsspec
@@ -87,6 +88,48 @@ def test_a_link_to_nothing_is_refused_where_it_could_hold_corpus_files(tmp_path)
     for path in (f"{tmp_path}/c", f"{tmp_path}/c/*/*.jsonl"):  # leaving its files out would prune their rows
         assert error(path=path) == (f"{tmp_path}/c/2024 is a link to {tmp_path}/unmounted/2024, which does not "
                                     "exist; mount or restore what it names, or remove the link")
+
+
+def test_a_path_that_exists_is_read_as_spelled_though_it_holds_glob_characters(tmp_path):
+    # As a glob, corpus[v2] would match corpus2/: another corpus read, and the output's own rows pruned.
+    write_jsonl(tmp_path / "corpus[v2]" / "a.jsonl", [{"id": "a", "text": "mine"}])
+    write_jsonl(tmp_path / "corpus2" / "z.jsonl", [{"id": "z", "text": "another corpus"}])
+    assert read_all(CorpusReader(f"{tmp_path}/corpus[v2]"))[1] == ["a"]
+    assert read_all(CorpusReader(f"{tmp_path}/corpus[v2]/a.jsonl"))[1] == ["a"]
+    assert read_all(CorpusReader(f"{tmp_path}/corpus[0-9]"))[1] == ["z"]  # a path that names nothing is a glob
+    assert read_all(CorpusReader(f"{tmp_path}/corpus[[]v2]/*.jsonl"))[1] == ["a"]  # and [[] spells [ in one
+
+
+def test_a_corpus_file_rewritten_with_other_columns_after_the_checks_is_named(tmp_path):
+    write_parquet(tmp_path / "c" / "a.parquet", {"id": ["a"], "text": ["x"]})
+    write_parquet(tmp_path / "c" / "b.parquet", {"id": ["b"], "text": ["y"]})
+    reader = iter(CorpusReader(f"{tmp_path}/c"))
+    assert next(reader).ids == ["a"]
+    write_parquet(tmp_path / "c" / "b.parquet", {"doc_id": ["b"], "text": ["y"]})  # an export rewriting it meanwhile
+    with pytest.raises(UserError, match=r"c/b.parquet changed while this run read the corpus \(its columns are not "
+                                        r"those it had when the run started\); run again once the corpus is written$"):
+        next(reader)
+
+
+def test_a_pipe_in_a_corpus_folder_is_refused_not_waited_on(tmp_path):
+    write_jsonl(tmp_path / "c" / "a.jsonl", [{"id": "a", "text": "x"}])
+    os.mkfifo(tmp_path / "c" / "b.jsonl")  # opening it would wait for a writer that never comes
+    for path in (f"{tmp_path}/c", f"{tmp_path}/c/*.jsonl"):
+        assert error(path=path) == (f"{tmp_path}/c/b.jsonl is not a regular file (a pipe or a device); move it out "
+                                    f"of {path} or save what it gives to a .parquet, .jsonl, .ndjson, .jsonl.gz or "
+                                    ".ndjson.gz file")
+
+
+def test_files_inside_a_chained_url_are_named_as_the_url_spells_them(tmp_path):
+    with zipfile.ZipFile(tmp_path / "corpus.zip", "w") as archive:
+        archive.writestr("docs/a.jsonl", '{"id": "a", "text": "zipped"}\n')
+    for path, shown in ((f"zip://docs::{tmp_path}/corpus.zip", f"zip://docs/a.jsonl::{tmp_path}/corpus.zip"),
+                        (f"zip://docs/*.jsonl::{tmp_path}/corpus.zip", f"zip://docs/a.jsonl::{tmp_path}/corpus.zip")):
+        reader = CorpusReader(path)
+        assert reader.files == [shown]
+        assert read_all(reader)[1:] == (["a"], ["zipped"])
+    assert error(path=f"zip://a.jsonl::{tmp_path}/missing.zip").startswith(
+        f"cannot open zip://a.jsonl::{tmp_path}/missing.zip (")
 
 
 def test_json_lines_named_json_are_read_where_a_path_or_glob_names_them(tmp_path):
@@ -367,6 +410,14 @@ def test_jsonl_kept_values_take_the_first_chunks_type_where_none_changes(tmp_pat
     assert kept.to_pylist() == [{"price": 1.5, "meta": {"a": 1, "b": "x"}, "tags": ["x"], "n": 1},
                                 {"price": 2.0, "meta": {"a": 2, "b": None}, "tags": [], "n": None},
                                 {"price": None, "meta": None, "tags": None, "n": 3}]
+
+
+def test_a_kept_column_categorical_in_one_shard_and_plain_in_another_is_kept_as_text(tmp_path):
+    write_parquet(tmp_path / "a.parquet", {"text": ["a"], "lang": pa.array(["en"]).dictionary_encode()})  # pandas'
+    write_parquet(tmp_path / "b.parquet", {"text": ["b"], "lang": pa.array(["de"])})
+    reader = CorpusReader(str(tmp_path), keep=["lang"])
+    assert reader.kept_schema == pa.schema([("lang", pa.string())])
+    assert pa.concat_tables(c.kept for c in reader).to_pydict() == {"lang": ["en", "de"]}
 
 
 def test_jsonl_kept_ints_fit_a_parquet_shards_narrower_int_and_text_its_categorical(tmp_path):

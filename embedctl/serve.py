@@ -620,7 +620,7 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
         reason = getattr(error, "strerror", None) or str(error)
         raise UserError(f"cannot listen on {options.host}:{options.port} ({reason}); "
                         "pick another --port or --host") from None
-    _configure_uvicorn_logging()
+    logging.config.dictConfig(log_config())  # now, not once uvicorn.Config exists: the lines of the load need it
     server_log = logging.getLogger("uvicorn.error")  # where uvicorn's own start-up lines go
     capture = config.warmup and config.cuda_graphs and config.torch_device().type == "cuda"
     shown_host = f"[{options.host}]" if ":" in options.host else options.host  # an IPv6 address, as a URL writes it
@@ -631,8 +631,8 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
     app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize, options.tokenizer_processes,
                      {"document": options.doc_prompt, "query": options.query_prompt})
     server = uvicorn.Server(uvicorn.Config(with_cors(app, options.cors_allow_origins), access_log=options.access_log,
-                                           timeout_graceful_shutdown=DRAIN_SECONDS, use_colors=log_colors(),
-                                           http=LimitedHttpToolsProtocol))
+                                           log_config=log_config(), timeout_graceful_shutdown=DRAIN_SECONDS,
+                                           use_colors=log_colors(), http=LimitedHttpToolsProtocol))
     server_log.info("embedctl serve: %s on %s, dim %d, max length %d, at http://%s:%d (docs at /docs)",
                     engine.files.name, engine.device, engine.dim, engine.max_length, shown_host, sock.getsockname()[1])
     if engine.stats.captures:
@@ -667,12 +667,14 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def _configure_uvicorn_logging() -> None:
-    """uvicorn's log set-up, which uvicorn.Config makes only once the app exists: the lines written while the
-    model loads need it to show at all."""
-    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
-    log_config["formatters"]["default"]["use_colors"] = log_colors()
-    logging.config.dictConfig(log_config)
+def log_config() -> dict:
+    """uvicorn's log set-up, with our own loggers writing through its handler, so that an engine failure is an
+    ERROR: line like uvicorn's (Python's fallback handler printed it bare, and nothing below WARNING)."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["formatters"]["default"]["use_colors"] = log_colors()
+    for package in ("embedctl", "engine", "pipelines"):
+        config["loggers"][package] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config
 
 
 def log_colors() -> bool | None:
@@ -743,6 +745,7 @@ class _Service:
         # The last batch's engine error, until a batch goes through: /health then answers 503, as TEI's does, so
         # that a load balancer or an orchestrator's probe stops sending work to a device that fell over.
         self.engine_failure: str | None = None
+        self.failure_logged: BaseException | None = None  # a failed batch's error, logged once for all its requests
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="embedctl-tokenize")
@@ -1083,7 +1086,9 @@ class _Service:
         """A submitted future's rows, awaited without blocking the loop."""
         outcome = await future
         if isinstance(outcome, BaseException):
-            log.error("engine step failed", exc_info=outcome)
+            if outcome is not self.failure_logged:  # every request of the batch gets the one error
+                self.failure_logged = outcome
+                log.error("engine step failed", exc_info=outcome)
             self.engine_failure = short_reason(outcome)
             raise ApiError(424, f"the engine failed on this request ({short_reason(outcome)}); see the server log")
         self.engine_failure = None

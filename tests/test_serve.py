@@ -14,6 +14,8 @@ import copy
 import gzip
 import importlib.metadata
 import json
+import logging
+import logging.config
 import os
 import re
 import signal
@@ -648,6 +650,45 @@ def test_no_color_turns_off_the_colours_of_the_server_log(monkeypatch) -> None:
     assert serve_module.log_colors() is False
     monkeypatch.setenv("NO_COLOR", "")  # set but empty means nothing (no-color.org)
     assert serve_module.log_colors() is None
+
+
+def test_our_log_lines_come_out_as_uvicorns_with_their_level(monkeypatch, capsys) -> None:
+    """An engine failure must be an ERROR: line that alerting finds, as uvicorn's are (Python's fallback handler
+    printed it bare), and an INFO line must show at all."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    loggers = {name: logging.getLogger(name) for name in ("embedctl", "engine", "pipelines")}
+    saved = {name: (logger.handlers[:], logger.level, logger.propagate) for name, logger in loggers.items()}
+    try:
+        logging.config.dictConfig(serve_module.log_config())
+        logging.getLogger("embedctl.serve").error("engine step failed")
+        logging.getLogger("engine.scheduler").info("a line of the engine")
+        logging.getLogger("pipelines.tokenize_pool").warning("a line of the pipelines")
+        assert capsys.readouterr().err.splitlines() == [
+            "ERROR:    engine step failed", "INFO:     a line of the engine", "WARNING:  a line of the pipelines"]
+    finally:  # the other tests' caplog reads these loggers through the root
+        for name, (handlers, level, propagate) in saved.items():
+            loggers[name].handlers[:], loggers[name].level, loggers[name].propagate = handlers, level, propagate
+
+
+def test_a_failed_batch_is_logged_once_for_all_its_requests(random_bert: Path, caplog) -> None:
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    release = threading.Event()
+    failing = failing_on(lambda batch: 29145 in batch.input_ids, engine.step)
+    engine.step = lambda batch: (release.wait(30) if 29145 in batch.input_ids else None, failing(batch))[1]
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+    with serving(create_app(engine, tokenizer)) as url, ThreadPoolExecutor(6) as pool:
+        held = pool.submit(httpx.post, url + "/embed", json={"inputs": "zebra"}, timeout=60)  # its batch waits
+        while "embedctl_queue_depth 1" not in httpx.get(url + "/metrics").text.splitlines():
+            time.sleep(0.01)
+        caplog.clear()
+        together = [pool.submit(httpx.post, url + "/embed", json={"inputs": "zebra"}, timeout=60) for _ in range(5)]
+        while "embedctl_queue_depth 6" not in httpx.get(url + "/metrics").text.splitlines():
+            time.sleep(0.01)
+        release.set()  # the five wait behind the first batch, so they go as one
+        statuses = [reply.result().status_code for reply in [held, *together]]
+    assert statuses == [424] * 6
+    failures = [record for record in caplog.records if record.getMessage() == "engine step failed"]
+    assert len(failures) == 2, [record.getMessage() for record in caplog.records]  # one a batch, not one a request
 
 
 def test_cors_lets_a_listed_origins_scripts_call_with_the_key_and_no_other(random_bert: Path) -> None:

@@ -333,6 +333,7 @@ def serve(
     doc_prompt: Annotated[Optional[str], typer.Option(help="Text put before every text of /v1/embeddings and /embed (default: the model's 'document' prompt, if any, as index puts it; '' for none, as TEI).")] = None,
     query_prompt: Annotated[Optional[str], typer.Option(help="Text put before /rerank's query (default: the model's 'query' prompt, if any, as score puts it; '' for none).")] = None,
     cors_allow_origin: Annotated[Optional[list[str]], typer.Option(metavar="ORIGIN", help="A web page origin (https://app.example.com, or '*') whose scripts may call the server from a browser; repeatable.")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="The model's name in requests (their 'model') and replies, e.g. an alias a proxy routes by (default: the model's path or hub id).")] = None,
 ) -> None:
     """Serve embeddings and ranking over HTTP: OpenAI /v1/embeddings, TEI /embed and /rerank, /health, /metrics."""
     from embedctl.serve import ServeLimits, ServeOptions, serve as run_server  # fastapi loads only for this command
@@ -347,7 +348,8 @@ def serve(
                                                tokenizer_processes=tokenizer_processes,
                                                doc_prompt=_set(doc_prompt, "EMBEDCTL_DOC_PROMPT"),
                                                query_prompt=_set(query_prompt, "EMBEDCTL_QUERY_PROMPT"),
-                                               cors_allow_origins=tuple(cors_allow_origin or ())))
+                                               cors_allow_origins=tuple(cors_allow_origin or ()),
+                                               served_model_name=served_model_name))
 
     _guarded(run, None, stopped="the server stopped")
 

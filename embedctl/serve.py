@@ -3,14 +3,15 @@
     POST /v1/embeddings  OpenAI-compatible (texts or token ids; float or base64; dimensions; usage);
                          POST /embeddings too, OpenAI's path without /v1 that some clients and proxies call
     POST /embed          text-embeddings-inference-compatible (inputs, normalize, truncate, prompt_name, dimensions)
-    POST /rerank         query + texts (TEI reply) or documents (Cohere-style reply), sorted by score
+    POST /rerank         query + texts (TEI reply) or documents (Cohere-style reply), sorted by score;
+                         POST /v1/rerank /v2/rerank too, where Cohere's and Jina's clients post
     POST / /invocations  the model's own task, as TEI routes it: /rerank for a cross-encoder, else /embed
                          (/invocations is SageMaker's path for it)
     POST /tokenize /decode   TEI's: the tokens of texts, the texts of token ids
     GET  /info           TEI's description of the model and the server's limits
     GET  /health /ping / 200 once warmed up, else 503 in TEI's error shape (/ping is SageMaker's health check,
                          GET / TEI's too)
-    GET  /metrics /v1/models /v1/models/{id} /docs
+    GET  /metrics /v1/models /v1/models/{id} /docs (and /models, /models/{id}: /v1/models without /v1)
 
 The app uvicorn runs is _Front, a plain ASGI callable: it checks the API key and the body size,
 records the metrics, and serves the POST endpoints itself, from the raw body (validated by the
@@ -123,6 +124,9 @@ DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/openapi.json")
 OPEN_PATHS = frozenset({*HEALTH_PATHS, *DOCS_PATHS})
 OPEN_GETS = frozenset({*OPEN_PATHS, "/"})
 EMBEDDINGS_PATHS = ("/v1/embeddings", "/embeddings")  # OpenAI's, and the same without /v1, as TEI serves it
+# TEI's, then Cohere's and Jina's (their clients, and LiteLLM's, post to /v1/rerank; Cohere's v2 client to /v2/rerank)
+RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+MODELS_PATHS = ("/v1/models", "/models")  # OpenAI's, and the same without /v1, as /embeddings is
 TASK_PATHS = ("/", "/invocations")  # the model's own task, as TEI routes it; /invocations is SageMaker's
 # How alike (difflib's ratio) an unknown field's name and an endpoint's field must be for the one to be taken
 # for a misspelling of the other: normalise/normalize 0.89, truncation/truncate 0.78, top_k/top_n 0.8, but
@@ -130,8 +134,8 @@ TASK_PATHS = ("/", "/invocations")  # the model's own task, as TEI routes it; /i
 MISSPELT_CUTOFF = 0.75
 # Routes of TEI's API, which answer errors in its shape and with its statuses; the others answer in OpenAI's.
 TEI_PATHS = frozenset({*TASK_PATHS, *HEALTH_PATHS, "/embed", "/rerank", "/tokenize", "/decode", "/info"})
-ENDPOINTS = (*EMBEDDINGS_PATHS, "/embed", "/rerank", *TASK_PATHS, "/tokenize", "/decode", "/info", *HEALTH_PATHS,
-             "/metrics", "/v1/models", "/docs", "/openapi.json")
+ENDPOINTS = (*EMBEDDINGS_PATHS, "/embed", *RERANK_PATHS, *TASK_PATHS, "/tokenize", "/decode", "/info", *HEALTH_PATHS,
+             "/metrics", *MODELS_PATHS, "/docs", "/openapi.json")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = tuple(float(1 << n) for n in range(4, 17))  # 16 ... 65,536 tokens per engine batch
 # OpenAI's error types: invalid_request_error for a request it refuses, a wrong key (code invalid_api_key) and an
@@ -215,9 +219,13 @@ class ServeOptions:
     doc_prompt: str | None = None
     query_prompt: str | None = None
     cors_allow_origins: tuple[str, ...] = ()  # web pages (scheme://host[:port], or "*") whose scripts may call
+    served_model_name: str | None = None  # the model's name in requests and replies; None: its path or hub id
 
     def __post_init__(self) -> None:
         check_processes(self.tokenizer_processes)
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise UserError("--served-model-name is empty; give the name clients send as model, or leave it out to "
+                            "serve under the model's path")
         if self.api_key is not None and not self.api_key.strip():
             # An unset variable in `--api-key "$KEY"` must not serve without authentication.
             raise UserError("--api-key (or EMBEDCTL_API_KEY) is empty; give the key clients must send, or leave both "
@@ -339,10 +347,17 @@ class DecodeRequest(_TeiRequest):
         raise ValueError("must be a list of token ids or a list of token-id lists")
 
 
+class RerankDocument(BaseModel):
+    """A document as Cohere's v1 and Jina's APIs also take one."""
+
+    text: str
+
+
 class RerankRequest(_TeiRequest):
     query: str
     texts: list[str] | None = Field(default=None, description="Documents; the reply is TEI's list of {index, score}")
-    documents: list[str] | None = Field(default=None, description="Documents; the reply is Cohere's {results: [...]}")
+    documents: list[str | RerankDocument] | None = Field(
+        default=None, description="Documents, as texts or {text} objects; the reply is Cohere's {results: [...]}")
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = False
     return_text: bool = Field(default=False, description="TEI's name for return_documents")
@@ -492,7 +507,8 @@ def _id_lists(ids: list[int] | list[list[int]]) -> list[list[int]]:
 
 def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = ServeLimits(),
                api_key: str | None = None, normalize: bool | None = None,
-               tokenizer_processes: int | None = None, prompts: Mapping[str, str | None] | None = None) -> _Front:
+               tokenizer_processes: int | None = None, prompts: Mapping[str, str | None] | None = None,
+               served_model_name: str | None = None) -> _Front:
     """The HTTP app over a loaded engine. Serving it (uvicorn) starts the scheduler and the warm-up.
 
     engine must be loaded with normalize=False: vectors are normalised per request here.
@@ -500,6 +516,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     tokenizer_processes: worker processes for large requests (None: default_processes for the device).
     prompts: the text put before documents and queries, by role ("document", "query"); a role left out or
     None takes the model's prompt for it.
+    served_model_name: the name requests give as model and replies carry (None: the model's path or hub id).
     """
     if engine.normalize:
         raise UserError("create_app needs an engine loaded with normalize=False; the server normalises per request")
@@ -509,7 +526,7 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     if tokenizer_processes is None:
         tokenizer_processes = default_processes(engine.device.type == "cuda")
     service = _Service(engine, tokenizer, limits, engine.files.normalize if normalize is None else normalize,
-                       tokenizer_processes, prompts or {})
+                       tokenizer_processes, prompts or {}, served_model_name)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -531,17 +548,20 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     async def embeddings(body: EmbeddingsRequest) -> None:
         """OpenAI-compatible embeddings. Over-long inputs are truncated to the model's max length."""
 
+    openai_errors = _error_responses(OpenAIError, 400, 401, 404, 408, 413, 415, 429, 500, 503)
     for path in EMBEDDINGS_PATHS:
-        app.add_api_route(path, embeddings, methods=["POST"], response_model=EmbeddingsResponse,
-                          responses=_error_responses(OpenAIError, 400, 401, 404, 408, 413, 415, 429, 500, 503))
+        app.add_api_route(path, embeddings, methods=["POST"], response_model=EmbeddingsResponse, responses=openai_errors)
 
     @app.post("/embed", response_model=EMBED_REPLY, responses=inference_errors)
     async def embed(body: EmbedRequest) -> None:
         """text-embeddings-inference-compatible embeddings: one vector per input, in order."""
 
-    @app.post("/rerank", response_model=RERANK_REPLY, responses=inference_errors)
     async def rerank(body: RerankRequest) -> None:
         """Documents sorted by relevance to the query, best first (ties in input order)."""
+
+    for path in RERANK_PATHS:
+        app.add_api_route(path, rerank, methods=["POST"], response_model=RERANK_REPLY,
+                          responses=inference_errors if path in TEI_PATHS else openai_errors)
 
     # As TEI routes it: POST / (and SageMaker's /invocations) is the model's own task, ranking for a
     # cross-encoder, else vectors.
@@ -587,11 +607,9 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     def described() -> dict:
         return {"id": service.name, "object": "model", "created": service.started, "owned_by": "embedctl"}
 
-    @app.get("/v1/models", responses=_error_responses(OpenAIError, 401))
     async def models() -> dict:
         return {"object": "list", "data": [described()]}
 
-    @app.get("/v1/models/{model:path}", responses=_error_responses(OpenAIError, 401, 404))
     async def model(model: str) -> dict:
         """The served model, by its name or its last path part (what openai's models.retrieve asks for)."""
         if model not in service.names:
@@ -599,13 +617,18 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
                            openai_code="model_not_found")
         return described()
 
+    for path in MODELS_PATHS:
+        app.add_api_route(path, models, methods=["GET"], responses=_error_responses(OpenAIError, 401))
+        app.add_api_route(path + "/{model:path}", model, methods=["GET"], responses=_error_responses(OpenAIError, 401, 404))
+
     # Every GET answers HEAD too, as TEI's routes do: load balancers and uptime checks often probe with HEAD.
     for route in [route for route in app.routes if isinstance(route, APIRoute) and route.methods == {"GET"}]:
         app.add_api_route(route.path, route.endpoint, methods=["HEAD"], include_in_schema=False)
 
     routes: dict[str, tuple[type[BaseModel], Handler]] = {
-        "/embed": (EmbedRequest, service.embed), "/rerank": (RerankRequest, service.rerank),
-        "/tokenize": (TokenizeRequest, service.tokens), "/decode": (DecodeRequest, service.decode)}
+        "/embed": (EmbedRequest, service.embed), "/tokenize": (TokenizeRequest, service.tokens),
+        "/decode": (DecodeRequest, service.decode)}
+    routes |= dict.fromkeys(RERANK_PATHS, (RerankRequest, service.rerank))
     routes |= dict.fromkeys(TASK_PATHS, routes[main_task])
     routes |= dict.fromkeys(EMBEDDINGS_PATHS, (EmbeddingsRequest, service.embeddings))
     return _Front(app, routes, api_key, limits.max_request_bytes, service.metrics,
@@ -629,12 +652,13 @@ def serve(model: str | None, config: EngineConfig, options: ServeOptions) -> Non
     engine = Engine.load(model, replace(config, normalize=False))
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
     app = create_app(engine, tokenizer, options.limits, options.api_key, config.normalize, options.tokenizer_processes,
-                     {"document": options.doc_prompt, "query": options.query_prompt})
+                     {"document": options.doc_prompt, "query": options.query_prompt}, options.served_model_name)
     server = uvicorn.Server(uvicorn.Config(with_cors(app, options.cors_allow_origins), access_log=options.access_log,
                                            log_config=log_config(), timeout_graceful_shutdown=DRAIN_SECONDS,
                                            use_colors=log_colors(), http=LimitedHttpToolsProtocol))
-    server_log.info("embedctl serve: %s on %s, dim %d, max length %d, at http://%s:%d (docs at /docs)",
-                    engine.files.name, engine.device, engine.dim, engine.max_length, shown_host, sock.getsockname()[1])
+    server_log.info("embedctl serve: %s%s on %s, dim %d, max length %d, at http://%s:%d (docs at /docs)",
+                    engine.files.name, f" as {options.served_model_name!r}" if options.served_model_name else "",
+                    engine.device, engine.dim, engine.max_length, shown_host, sock.getsockname()[1])
     if engine.stats.captures:
         server_log.info("warm-up: %d CUDA graphs captured in %.1f s, one per shape of batch whose sequences are at most "
                         "512 tokens, so that such requests never wait for a capture", engine.stats.captures,
@@ -722,10 +746,10 @@ class _Service:
     """What the endpoints share: the engine, the tokenizer pool, the scheduler, the metrics."""
 
     def __init__(self, engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits, normalize: bool,
-                 tokenizer_processes: int, prompts: Mapping[str, str | None]) -> None:
+                 tokenizer_processes: int, prompts: Mapping[str, str | None], served_model_name: str | None) -> None:
         self.engine, self.tokenizer, self.limits, self.normalize = engine, tokenizer, limits, normalize
         self.tokenizer_processes = tokenizer_processes
-        self.name = engine.files.name
+        self.name = served_model_name or engine.files.name
         self.names = {self.name, Path(self.name).name}
         self.similarity = "cosine" if engine.num_labels else similarity_of(engine.files)  # a bi-encoder's, for /rerank
         # /tokenize shows whole inputs, as TEI's does; the tokenizer of /embed stops at the max length.
@@ -810,7 +834,8 @@ class _Service:
     async def rerank(self, body: RerankRequest) -> bytes:
         self.check_model(body.model)
         cohere = body.documents is not None
-        texts = body.documents if cohere else body.texts
+        texts = [document if isinstance(document, str) else document.text for document in body.documents] if cohere \
+            else body.texts
         field, from_left = "documents" if cohere else "texts", body.truncation_direction.lower() == "left"
         scores, tokens = await self.scores(body.query, texts, body.truncate is not False, field, from_left,
                                            body.raw_scores)
@@ -859,7 +884,7 @@ class _Service:
                 id2label=config.get("id2label", {}), label2id=config.get("label2id", {})))
         else:
             model_type = EmbeddingModel(embedding=Pooling(pooling=TEI_POOLING.get(pooling, pooling)))
-        return Info(model_id=self.name, model_sha=None, model_dtype=str(self.engine.dtype).removeprefix("torch."),
+        return Info(model_id=self.engine.files.name, model_sha=None, model_dtype=str(self.engine.dtype).removeprefix("torch."),
                     served_model_name=self.name, model_type=model_type, max_concurrent_requests=self.limits.max_queue,
                     max_input_length=self.engine.max_length, max_batch_tokens=self.engine.max_batch_tokens,
                     max_batch_requests=self.engine.config.max_seqs, max_client_batch_size=self.limits.max_client_batch,

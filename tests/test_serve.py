@@ -290,6 +290,13 @@ def test_rerank_sorts_documents_by_cosine(client: httpx.Client, texts, indexed) 
     np.testing.assert_allclose([hit["relevance_score"] for hit in cohere["results"]], cosines[order[:3]], atol=1e-5)
     assert cohere["results"][0]["document"] == {"text": docs[order[0]]}
     assert cohere["usage"]["total_tokens"] == indexed[1][:9].sum()
+    # Cohere's and Jina's paths, where their clients post, with documents as {text} objects too (Cohere's v1, Jina)
+    objects = [{"text": doc} for doc in docs]
+    for path, documents in (("/v1/rerank", objects), ("/v2/rerank", docs), ("/rerank", [*docs[:4], *objects[4:]])):
+        again = client.post(path, json={"query": query, "documents": documents, "top_n": 3, "return_documents": True})
+        assert again.json() == cohere, path
+    refused = client.post("/v1/rerank", json={"query": query, "documents": [{"body": docs[0]}]})
+    assert refused.status_code == 400 and refusal(refused)[1] == "invalid_request_error"  # in OpenAI's shape
 
 
 # TEI's other routes
@@ -383,6 +390,9 @@ def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, mi
     for path in ("/docs", "/openapi.json"):  # a browser sends no key; Swagger's Authorize button takes it for the rest
         assert httpx.get(server.url + path).status_code == 200
     assert [model["id"] for model in client.get("/v1/models").json()["data"]] == [str(minilm_dir)]
+    # without /v1 too, as /embeddings: a client given the server's root as its base URL lists models there
+    assert client.get("/models").json() == client.get("/v1/models").json()
+    assert client.get(f"/models/{minilm_dir.name}").json() == client.get(f"/v1/models/{minilm_dir}").json()
     for path in ("/info", "/metrics", "/v1/models", f"/v1/models/{minilm_dir}"):  # every GET answers HEAD, as TEI's
         assert (client.head(path).status_code, client.head(path).content) == (200, b"")
     assert httpx.head(server.url + "/metrics").status_code == 401  # with the key its GET needs
@@ -393,8 +403,8 @@ def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, mi
     assert re.search(r'embedctl_requests_total\{endpoint="/v1/models",status="200"\} [1-9]', text)
     schema = client.get("/openapi.json").json()
     paths = schema["paths"]
-    assert {"/v1/embeddings", "/embeddings", "/embed", "/rerank", "/", "/invocations", "/tokenize", "/decode", "/info",
-            "/health", "/ping", "/metrics", "/v1/models"} <= set(paths)
+    assert {"/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v1/rerank", "/v2/rerank", "/", "/invocations",
+            "/tokenize", "/decode", "/info", "/health", "/ping", "/metrics", "/v1/models", "/models"} <= set(paths)
     for path in ("/v1/embeddings", "/embeddings", "/embed", "/rerank", "/", "/invocations", "/tokenize", "/decode"):
         assert "requestBody" in paths[path]["post"]  # served outside FastAPI, described by it
 
@@ -423,9 +433,11 @@ def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, mi
         assert error_shape(path, "get", "503") == "TeiError" and "warming up" in responses["503"]["description"]
         assert responses["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/Health")
         assert "401" not in responses  # no key needed
-    assert {error_shape("/v1/embeddings", "post", status) for status in "400 401 404 413 415 429 500 503".split()} == {
-        "OpenAIError"}
-    assert "422" not in paths["/v1/embeddings"]["post"]["responses"]
+    for path in ("/v1/embeddings", "/v1/rerank", "/v2/rerank"):
+        assert {error_shape(path, "post", status) for status in "400 401 404 413 415 429 500 503".split()} == {
+            "OpenAIError"}
+        assert "422" not in paths[path]["post"]["responses"]
+    assert described("/v1/rerank")[0] == described("/rerank")[0]
     assert error_shape("/v1/models/{model}", "get", "404") == "OpenAIError"
     schemas = schema["components"]["schemas"]
     assert set(schemas["TeiError"]["properties"]) == {"error", "error_type"}
@@ -1531,6 +1543,23 @@ def test_the_server_puts_the_prompts_it_is_given_or_none(random_bert: Path) -> N
     query, one, two = expected("q: a question", "one", "two")
     assert {hit["index"]: hit["score"] for hit in ranked} == pytest.approx({0: float(one @ query), 1: float(two @ query)},
                                                                            abs=1e-5)
+
+
+def test_a_served_model_name_is_the_models_name_in_requests_and_replies(random_bert: Path) -> None:
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
+    with serving(create_app(engine, tokenizer, served_model_name="bert-prod")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        listed = [model.id for model in client.models.list()]
+        embedded = client.embeddings.create(model="bert-prod", input="hello")
+        with pytest.raises(openai.NotFoundError, match="this server serves 'bert-prod'"):
+            client.embeddings.create(model=str(random_bert), input="hello")  # its path is no name of it now
+        ranked = httpx.post(url + "/v1/rerank", json={"model": "bert-prod", "query": "q", "documents": ["a"]}).json()
+        info = httpx.get(url + "/info").json()
+    assert listed == ["bert-prod"] and embedded.model == "bert-prod" and ranked["model"] == "bert-prod"
+    assert (info["model_id"], info["served_model_name"]) == (str(random_bert), "bert-prod")  # as TEI's /info
+    with pytest.raises(UserError, match="--served-model-name is empty"):
+        serve_module.ServeOptions(served_model_name=" ")
 
 
 def test_an_engine_failure_is_tei_backend_error_and_openai_server_error(random_bert: Path) -> None:

@@ -84,6 +84,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenizers import Encoding
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from embedctl.http_limits import LimitedHttpToolsProtocol
 from engine import Engine, EngineConfig, UserError
@@ -136,7 +137,9 @@ MISSPELT_CUTOFF = 0.75
 TEI_PATHS = frozenset({*TASK_PATHS, *HEALTH_PATHS, "/embed", "/rerank", "/tokenize", "/decode", "/info"})
 ENDPOINTS = (*EMBEDDINGS_PATHS, "/embed", *RERANK_PATHS, *TASK_PATHS, "/tokenize", "/decode", "/info", *HEALTH_PATHS,
              "/metrics", *MODELS_PATHS, "/docs", "/openapi.json")
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Seconds: from a short query on a GPU to a request of thousands of texts on a CPU, which takes a minute
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0, 60.0, 120.0)
 TOKEN_BUCKETS = tuple(float(1 << n) for n in range(4, 17))  # 16 ... 65,536 tokens per engine batch
 # OpenAI's error types: invalid_request_error for a request it refuses, a wrong key (code invalid_api_key) and an
 # unknown model (code model_not_found) included; "requests" for a rate limit (code rate_limit_exceeded); server_error
@@ -1295,6 +1298,8 @@ class _Front:
                 await self.api(scope, receive, send_status)
         finally:
             self.metrics.observe_request(path, status, time.perf_counter() - started)
+            if status == CLIENT_GONE:
+                _log_access(scope, status)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         """FastAPI's lifespan, but for a forced quit (a second Ctrl-C), which cancels it while it waits for the
@@ -1461,6 +1466,16 @@ async def _reply(send: Send, status: int, content: bytes, headers: dict[str, str
     return status
 
 
+def _log_access(scope: Scope, status: int) -> None:
+    """uvicorn's access-log line for a request it writes none for: one answered with nothing, its client gone,
+    which uvicorn logs only when a reply starts (nginx logs such a request as 499). As uvicorn decides, the line
+    is written when --access-log gave its logger a handler."""
+    access = logging.getLogger("uvicorn.access")
+    if access.hasHandlers():
+        access.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"], get_path_with_query_string(scope),
+                    scope["http_version"], status)
+
+
 async def _refuse(send: Send, path: str, error: ApiError) -> int:
     status, body = _error_reply(path, error)
     return await _reply(send, status, body, error.headers)
@@ -1494,14 +1509,14 @@ class _Metrics:
     def __init__(self) -> None:
         self.lock = threading.Lock()  # batches are observed on the scheduler thread, requests on the loop
         self.requests: dict[tuple[str, int], int] = {}
-        self.latency: dict[str, _Histogram] = {}
+        self.latency: dict[tuple[str, int], _Histogram] = {}
         self.batch_tokens = _Histogram(TOKEN_BUCKETS)
 
     def observe_request(self, path: str, status: int, seconds: float) -> None:
         endpoint = path if path in ENDPOINTS else "other"  # unknown paths must not grow the label set
         with self.lock:
             self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
-            self.latency.setdefault(endpoint, _Histogram(LATENCY_BUCKETS)).observe(seconds)
+            self.latency.setdefault((endpoint, status), _Histogram(LATENCY_BUCKETS)).observe(seconds)
 
     def observe_batch(self, batch: PackedBatch) -> None:
         with self.lock:
@@ -1519,9 +1534,10 @@ class _Metrics:
             family("embedctl_requests_total", "counter",
                    "HTTP requests by endpoint and status; 499: the client left before its reply.",
                    [f'embedctl_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
-            family("embedctl_request_duration_seconds", "histogram", "Time from request to response, by endpoint.",
-                   [line for e, h in sorted(self.latency.items())
-                    for line in h.lines("embedctl_request_duration_seconds", f'endpoint="{e}"')])
+            family("embedctl_request_duration_seconds", "histogram",
+                   "Time from request to response, by endpoint and status.",
+                   [line for (e, s), h in sorted(self.latency.items())
+                    for line in h.lines("embedctl_request_duration_seconds", f'endpoint="{e}",status="{s}"')])
             family("embedctl_batch_tokens", "histogram", "Tokens per engine batch.",
                    self.batch_tokens.lines("embedctl_batch_tokens"))
         family("embedctl_queue_depth", "gauge", "Sequences admitted and not yet answered.", [f"embedctl_queue_depth {depth}"])

@@ -143,7 +143,7 @@ def server(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     # Two tokenizer processes, which the CPU would not start by default: requests of many texts are
     # spread over them and put back together in order.
     server = start_server(minilm_dir, tmp_path_factory.mktemp("serve") / "server.log", "--api-key", KEY,
-                          "--tokenizer-processes", "2", *limits)
+                          "--tokenizer-processes", "2", "--access-log", *limits, env={"PYTHONUNBUFFERED": "1"})
     yield server
     stop(server)
 
@@ -821,6 +821,11 @@ def test_a_small_request_whose_client_gave_up_counts_as_499_not_200(server: Serv
         assert time.monotonic() < deadline, "the abandoned request was not counted as 499"
         time.sleep(0.01)
     assert requests_total(client, "/embed", 200) == ok_before + 1  # the one ahead only
+    # The access log has its line too, as nginx logs a request whose client left (uvicorn logs a reply's start)
+    assert re.search(r'^INFO: +127\.0\.0\.1:\d+ - "POST /embed HTTP/1\.1" 499 ?$', server.log.read_text(), re.MULTILINE)
+    latency = re.search(r'^embedctl_request_duration_seconds_count{endpoint="/embed",status="499"} (\d+)$',
+                        client.get("/metrics").text, re.MULTILINE)
+    assert latency and int(latency.group(1)) >= 1  # the latency of requests that failed apart from the others'
 
 
 def read_reply(raw: socket.socket) -> bytes:

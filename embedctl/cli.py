@@ -234,8 +234,10 @@ def score(
     run_format: Annotated[RunFormat, typer.Option("--format", help="jsonl rows {query_id, doc_id, rank, score}, or a TREC run.")] = RunFormat.jsonl,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing --out (at the end, atomically).")] = False,
     model: ModelOpt = None,
-    text_col: Annotated[str, typer.Option(help="Column holding the text, in queries and documents.")] = "text",
-    id_col: Annotated[str, typer.Option(help="Column holding the id, in queries and documents; when absent, ids are file:row.")] = "id",
+    text_col: Annotated[str, typer.Option(help="Column holding the text, in documents (and queries, unless --query-text-col).")] = "text",
+    id_col: Annotated[str, typer.Option(help="Column holding the id, in documents (and queries, unless --query-id-col); when absent, ids are file:row.")] = "id",
+    query_text_col: Annotated[Optional[str], typer.Option(help="Column holding the queries' text, where it differs from the documents' (default: --text-col).")] = None,
+    query_id_col: Annotated[Optional[str], typer.Option(help="Column holding the queries' ids (default: --id-col).")] = None,
     query_prompt: Annotated[Optional[str], typer.Option(help="Text put before every query, e.g. 'query: ' (default: the model's 'query' prompt, if any).")] = None,
     doc_prompt: Annotated[Optional[str], typer.Option(help="Text put before every document, e.g. 'passage: ' (default: the model's 'document' prompt, if any).")] = None,
     query_prompt_name: Annotated[Optional[str], typer.Option(help="Name of a prompt in the model's sentence-transformers config, for queries.")] = None,
@@ -270,7 +272,8 @@ def score(
             raise UserError("standard output is closed, and the run goes there without --out; give --out FILE")
         options = ScoreOptions(queries=queries, docs=docs, index=index, table=table, reranker=reranker, rerank_depth=rerank_depth,
                                qrels=qrels, out=out, top_k=top_k, format=run_format.value, overwrite=overwrite,
-                               text_col=text_col, id_col=id_col, query_prompt=query_prompt, doc_prompt=doc_prompt,
+                               text_col=text_col, id_col=id_col, query_text_col=query_text_col,
+                               query_id_col=query_id_col, query_prompt=query_prompt, doc_prompt=doc_prompt,
                                query_prompt_name=query_prompt_name, doc_prompt_name=doc_prompt_name,
                                tokenizer_processes=tokenizer_processes)
         inputs = open_inputs(options)  # bad inputs should not wait for a model to load

@@ -108,7 +108,7 @@ def read_qrels(path: str, query_ids: Sequence[str]) -> Qrels:
     unknown = [query_id for query_id in qrels if query_id not in known]
     if unknown:
         raise UserError(f"--qrels {path} judges {plural(len(unknown), 'query', 'queries')} not in the query set "
-                        f"(first: {unknown[0]!r}); use the qrels of these queries or check --id-col")
+                        f"(first: {unknown[0]!r}); use the qrels of these queries or check --query-id-col")
     return qrels
 
 

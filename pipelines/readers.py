@@ -51,7 +51,6 @@ _OTHER_COMPRESSION = re.compile(r"\.(?:jsonl|ndjson|parquet)\.(zstd?|bz2|xz|lzma
                                 re.IGNORECASE)
 _HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # the folder Hive and Spark write a partition's null value as
 _WHOLE = re.compile(r"-?(0|[1-9][0-9]{0,17})")  # a partition value read as an int64: no leading zeros (id=007 stays text)
-_JSONL_ID_FIX = "give every line an id, or pass --id-col naming a key the file lacks to number lines instead"
 
 
 @dataclass
@@ -90,10 +89,13 @@ class CorpusReader:
         id_col: str = "id",
         keep: Sequence[str] = (),
         chunk_rows: int = 1024,
+        flags: tuple[str, str] = ("--text-col", "--id-col"),
     ) -> None:
+        """flags: the options that set text_col and id_col, as the errors name them."""
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
         self.text_col, self.id_col, self.chunk_rows = text_col, id_col, chunk_rows
+        self.text_flag, self.id_flag = flags
         self.keep = list(dict.fromkeys(keep))
         self.source = path
         self._fs, self._files, self.json_left_out = _resolve(path)
@@ -151,6 +153,10 @@ class CorpusReader:
             self._kept_schema, self._typed_by = stored, origin
 
     @property
+    def _jsonl_id_fix(self) -> str:
+        return f"give every line an id, or pass {self.id_flag} naming a key the file lacks to number lines instead"
+
+    @property
     def kept_schema(self) -> pa.Schema | None:
         """The schema of every chunk's kept table: known from the Parquet footers once constructed; for JSONL
         only, set by the first chunk (so None for a JSONL corpus without rows). None without keep."""
@@ -189,13 +195,13 @@ class CorpusReader:
         if self.text_col not in schema.names:
             raise UserError(
                 f"{f.shown} has no column '{self.text_col}' (its columns: {names}); "
-                "pass --text-col with the column that holds the text"
+                f"pass {self.text_flag} with the column that holds the text"
             )
         text_type = schema.field(self.text_col).type
         if not (_is_text(text_type) or pa.types.is_null(text_type)):  # null: pandas' type for a column of None
             raise UserError(
                 f"{f.shown}: column '{self.text_col}' is {text_type}, not a string; "
-                "pass --text-col with a string column"
+                f"pass {self.text_flag} with a string column"
             )
         for col in self.keep:
             if col not in schema.names and col not in f.partitions:
@@ -214,7 +220,7 @@ class CorpusReader:
             except pa.ArrowException:
                 raise UserError(
                     f"{f.shown}: column '{self.id_col}' is {id_type}, which cannot serve as an id; "
-                    "pass --id-col with a string or number column"
+                    f"pass {self.id_flag} with a string or number column"
                 ) from None
         return pa.schema([_without_view(schema.field(c)) for c in self.keep if c in schema.names])
 
@@ -249,7 +255,7 @@ class CorpusReader:
                 bad = lines[pc.index(pc.is_null(id_array), True).as_py()]
                 raise UserError(
                     f"{f.shown} row {bad}: {self.id_col} is null; give every row an id, "
-                    "or pass --id-col naming a column the file lacks to number rows instead"
+                    f"or pass {self.id_flag} naming a column the file lacks to number rows instead"
                 )
             try:
                 ids = _parquet_ids(id_array)
@@ -258,11 +264,11 @@ class CorpusReader:
                                 "store ids as UTF-8 strings or numbers") from None
             except BadId as bad:
                 raise UserError(f"{f.shown} row {lines[bad.index]}: {self.id_col} is {bad}, which names no row; "
-                                "store ids as strings or finite numbers, or pass --id-col naming the id column") \
+                                f"store ids as strings or finite numbers, or pass {self.id_flag} naming the id column") \
                     from None
             if "" in ids:
                 raise UserError(f"{f.shown} row {lines[ids.index('')]}: {self.id_col} is empty; give every row an id, "
-                                "or pass --id-col naming a column the file lacks to number rows instead")
+                                f"or pass {self.id_flag} naming a column the file lacks to number rows instead")
         else:
             ids = [f"{f.rel}:{n}" for n in lines]
         kept = None
@@ -416,13 +422,13 @@ class CorpusReader:
             keys = ", ".join(row) or "none"
             raise UserError(
                 f"{where}: no '{self.text_col}' key (its keys: {keys}); "
-                "pass --text-col with the key that holds the text"
+                f"pass {self.text_flag} with the key that holds the text"
             )
         text = row[self.text_col]
         if text is not None and not isinstance(text, str):
             raise UserError(
                 f"{where}: {self.text_col} is {_kind(text)}, not a string; "
-                "make it a string (or null) or pass --text-col with the key that holds the text"
+                f"make it a string (or null) or pass {self.text_flag} with the key that holds the text"
             )
         return row
 
@@ -433,20 +439,20 @@ class CorpusReader:
         if (self.id_col in row) != has_ids:
             mismatch = (f"has no '{self.id_col}' key but line {first_line} has one" if has_ids
                         else f"has an '{self.id_col}' key but line {first_line} has none")
-            raise UserError(f"{f.shown} line {number}: {mismatch}; {_JSONL_ID_FIX}")
+            raise UserError(f"{f.shown} line {number}: {mismatch}; {self._jsonl_id_fix}")
         if not has_ids:
             return f"{f.rel}:{number}"
         value = row[self.id_col]
         if value == "":
-            raise UserError(f"{f.shown} line {number}: {self.id_col} is empty; {_JSONL_ID_FIX}")
+            raise UserError(f"{f.shown} line {number}: {self.id_col} is empty; {self._jsonl_id_fix}")
         if not isinstance(value, (str, int, float)):  # a boolean passes, as an int, to id_text
             raise UserError(f"{f.shown} line {number}: {self.id_col} is {_kind(value)}, not a string or number; "
-                            f"{_JSONL_ID_FIX}")
+                            f"{self._jsonl_id_fix}")
         try:
             return id_text(value)
         except BadId as bad:
             raise UserError(f"{f.shown} line {number}: {self.id_col} is {bad}, which names no row; "
-                            "store ids as strings or finite numbers, or pass --id-col naming the id key") from None
+                            f"store ids as strings or finite numbers, or pass {self.id_flag} naming the id key") from None
 
     def _jsonl_kept(self, f: _File, rows: list[dict], lines: list[int]) -> pa.Table | None:
         """The kept keys as a table whose schema the first chunk fixes for all later ones.

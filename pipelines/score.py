@@ -48,6 +48,7 @@ from pipelines.tokenize_pool import TokenizerPool, check_processes, default_proc
 from pipelines.writers import database_tables, setting_name, setting_value, table_parts
 
 FORMATS = ("jsonl", "trec")
+QUERY_FLAGS = ("--query-text-col", "--query-id-col")  # the options that name the queries' columns, for the errors
 TREC_RUN_TAG = "embedctl"
 # Names of an open file descriptor, which --out writes into rather than replaces (see _written_in_place).
 _DESCRIPTOR_PATH = re.compile(r"/dev/(?:stdin|stdout|stderr|fd/\d+)|/proc/(?:self|thread-self|\d+)/fd/\d+")
@@ -100,6 +101,8 @@ class ScoreOptions:
     overwrite: bool = False
     text_col: str = "text"
     id_col: str = "id"
+    query_text_col: str | None = None  # the queries' own columns, where they differ from the documents'; None: the same
+    query_id_col: str | None = None
     query_prompt: str | None = None  # put in front of every query; None: see resolve_prompt
     doc_prompt: str | None = None  # put in front of every document; None: see resolve_prompt
     query_prompt_name: str | None = None  # a prompt of the model's sentence-transformers config
@@ -409,7 +412,7 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
                 if _blank(text):
                     skipped += 1
                     continue
-                _check_id(chunk, row, options.format)
+                _check_id(chunk, row, options.format, "--id-col")
                 doc_ids.append(doc_id)
                 rows.append(row)
             if rows:
@@ -727,7 +730,8 @@ def _vectors(engine: Engine, tokenizer: TextTokenizer, texts: list[str], prompt:
 
 
 def _read_queries(options: ScoreOptions) -> Queries:
-    reader = CorpusReader(options.queries, options.text_col, options.id_col, chunk_rows=options.chunk_rows)
+    reader = CorpusReader(options.queries, options.query_text_col or options.text_col,
+                          options.query_id_col or options.id_col, chunk_rows=options.chunk_rows, flags=QUERY_FLAGS)
     ids: list[str] = []
     texts: list[str] = []
     seen: set[str] = set()
@@ -738,7 +742,7 @@ def _read_queries(options: ScoreOptions) -> Queries:
                                 "give the query a text or remove it")
             if query_id in seen:
                 raise UserError(f"{chunk.where(row)}: duplicate query id {query_id!r}; make query ids unique")
-            _check_id(chunk, row, options.format)
+            _check_id(chunk, row, options.format, QUERY_FLAGS[1])
             seen.add(query_id)
             ids.append(query_id)
             texts.append(text)
@@ -751,12 +755,12 @@ def _blank(text: str | None) -> bool:
     return not text or text.isspace()
 
 
-def _check_id(chunk: Chunk, row: int, run_format: str) -> None:
+def _check_id(chunk: Chunk, row: int, run_format: str, id_flag: str) -> None:
     if run_format == "trec" and _WHITESPACE.search(chunk.ids[row]):
         fix = "use --format jsonl or ids without whitespace"
         made, _, number = chunk.ids[row].rpartition(":")
         if number == str(chunk.lines[row]) and chunk.source.endswith(made):  # FILE:ROW, for want of an id column
-            fix = ("the id was made from the file's name, as the file has no id column: pass --id-col with its column "
+            fix = (f"the id was made from the file's name, as the file has no id column: pass {id_flag} with its column "
                    "of ids, rename the file, or use --format jsonl")
         raise UserError(f"{chunk.where(row)}: id {chunk.ids[row]!r} holds whitespace, which a TREC run cannot; {fix}")
 

@@ -398,6 +398,20 @@ def test_bad_qrels_name_the_problem(tmp_path: Path, text: str, phrases: list[str
         assert phrase in str(error.value)
 
 
+def test_queries_may_name_their_columns_apart_from_the_documents(model: Embedder, tmp_path: Path) -> None:
+    """Queries as {"qid", "query"} beside a corpus of {"id", "text"}, a common layout, need no rewriting."""
+    rows = [json.loads(line) for line in QUERIES.read_text().splitlines()[:5]]
+    write_jsonl(tmp_path / "plain.jsonl", rows)
+    write_jsonl(tmp_path / "renamed.jsonl", [{"qid": row["id"], "query": row["text"]} for row in rows])
+    plain = ScoreOptions(queries=str(tmp_path / "plain.jsonl"), docs=str(CORPUS), top_k=3)
+    renamed = replace(plain, queries=str(tmp_path / "renamed.jsonl"), query_text_col="query", query_id_col="qid")
+    ranked = [run_score(model.engine, model.tokenizer, open_inputs(options), options)[0] for options in (plain, renamed)]
+    assert ranked[0].query_ids == ranked[1].query_ids == [row["id"] for row in rows]
+    assert ranked[0].doc_ids == ranked[1].doc_ids
+    with pytest.raises(UserError, match=r"no 'query' key \(its keys: id, text, doc_id\); pass --query-text-col with the key"):
+        open_inputs(replace(plain, query_text_col="query"))  # the flag that would fix it, not --text-col
+
+
 def test_metrics_at_ten_do_not_depend_on_top_k(model: Embedder) -> None:
     """nDCG@10 and MRR@10 look ten hits deep even when the run file keeps fewer."""
     results = {}

@@ -575,6 +575,9 @@ def _click_error(error: typer.TyperException, args: list[str]) -> str:
     if type(error).__name__ == "NoArgsIsHelpError":  # by name, as typer does: the class is private
         return error.format_message()  # the help text
     message = " ".join(error.format_message().splitlines()).rstrip(".")
+    if message.startswith("Got unexpected extra argument"):  # most often a glob the shell expanded, a file each
+        message += ("; a corpus is one path: quote a glob ('docs/*.jsonl') so that the shell passes it whole, or give "
+                    "the folder")
     ctx = getattr(error, "ctx", None)  # usage errors know their command, but for an option's missing value
     if ctx is not None:
         command_path = ctx.command_path

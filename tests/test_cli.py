@@ -518,6 +518,10 @@ USAGE_ERRORS = {
     "bad choice": (["index", "docs.jsonl", "--out", "x.lance", "--on-long", "sometimes"],
                    ["'--on-long'", "'sometimes' is not one of 'truncate', 'error'", "(see embedctl index --help)"]),
     "not a number": (["score", "queries.jsonl", "docs.jsonl", "--top-k", "many"], ["'--top-k'", "(see embedctl score --help)"]),
+    "a glob the shell expanded": (["index", "a.jsonl", "b.jsonl", "--out", "x.lance"],
+                                  ["error: Got unexpected extra argument(s) (b.jsonl); a corpus is one path: quote a glob "
+                                   "('docs/*.jsonl') so that the shell passes it whole, or give the folder "
+                                   "(see embedctl index --help)"]),
     "unknown command": (["reindex"], ["error: No such command 'reindex'", "Did you mean 'index'?", "(see embedctl --help)"]),
 }
 

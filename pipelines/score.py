@@ -139,6 +139,7 @@ class Ranking:
     scores: np.ndarray  # float32 [queries, min(top_k, documents)]
     corpus_ids: list[str]  # every document ranked, in order: what qrels may judge
     skipped_empty: int = 0
+    truncated: int = 0  # queries and documents this run embedded that were cut at the max length
     seconds: float = 0.0
     reranked: int = 0  # (query, document) pairs the reranker scored
     similarity: str = "cosine"  # what the bi-encoder's scores are (see similarity_of)
@@ -153,14 +154,14 @@ class Ranking:
 
     def to_dict(self) -> dict[str, int | float]:
         return {"queries": len(self.query_ids), "documents": self.documents, "top_k": int(self.scores.shape[1]),
-                "skipped_empty": self.skipped_empty, "reranked_pairs": self.reranked, "similarity": self.similarity,
+                "skipped_empty": self.skipped_empty, "truncated": self.truncated, "reranked_pairs": self.reranked, "similarity": self.similarity,
                 "seconds": round(self.seconds, 3)}
 
     def summary(self, out: str | None) -> str:
         reranked = f", {plural(self.reranked, 'pair')} reranked" if self.reranked else ""
         return (f"{plural(len(self.query_ids), 'query', 'queries')} x {plural(self.documents, 'document')}, top "
                 f"{self.scores.shape[1]}{reranked} in {self.seconds:.1f} s; {plural(self.skipped_empty, 'empty document')} "
-                f"skipped -> {out or 'stdout'}")
+                f"skipped, {self.truncated:,} truncated -> {out or 'stdout'}")
 
 
 class RunningTopK:
@@ -373,8 +374,8 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
     # A table's vectors carry the prompt they were indexed with; only documents this run embeds take one.
     doc_prompt = "" if isinstance(docs, StoredVectors) else resolve_prompt(engine.files, "document", options.doc_prompt,
                                                                            options.doc_prompt_name)
-    query_vectors = _vectors(engine, tokenizer, queries.texts, query_prompt, lambda i: f"query {queries.ids[i]!r}",
-                             cosine)[0]
+    query_vectors, _, truncated = _vectors(engine, tokenizer, queries.texts, query_prompt,
+                                           lambda i: f"query {queries.ids[i]!r}", cosine)
     top = RunningTopK(query_vectors, top_k or options.top_k, "dot" if cosine else similarity)
     doc_ids: list[str] = []
     seen: set[str] = set()
@@ -416,11 +417,12 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
                 doc_ids.append(doc_id)
                 rows.append(row)
             if rows:
-                vectors, chunk_tokens = _vectors(engine, tokenizer, [chunk.texts[row] for row in rows], doc_prompt,
-                                                 lambda i: f"{chunk.where(rows[i])}: document {chunk.ids[rows[i]]!r}",
-                                                 cosine)
+                vectors, chunk_tokens, chunk_truncated = _vectors(
+                    engine, tokenizer, [chunk.texts[row] for row in rows], doc_prompt,
+                    lambda i: f"{chunk.where(rows[i])}: document {chunk.ids[rows[i]]!r}", cosine)
                 top.add(vectors)
                 tokens += chunk_tokens
+                truncated += chunk_truncated
             if progress is not None:
                 progress(len(doc_ids) + skipped, tokens, total)
     if not doc_ids:
@@ -428,7 +430,7 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
         raise UserError(f"{source} holds no documents with text; give a corpus with at least one non-empty text")
     indices = top.indices.cpu().numpy()
     return Ranking(query_ids=queries.ids, doc_ids=[[doc_ids[i] for i in row] for row in indices],
-                   scores=top.scores.cpu().numpy(), corpus_ids=doc_ids, skipped_empty=skipped,
+                   scores=top.scores.cpu().numpy(), corpus_ids=doc_ids, skipped_empty=skipped, truncated=truncated,
                    seconds=time.perf_counter() - started, similarity=similarity)
 
 
@@ -718,15 +720,15 @@ def _trec_lines(ranking: Ranking) -> Iterator[str]:
 
 
 def _vectors(engine: Engine, tokenizer: TextTokenizer, texts: list[str], prompt: str,
-             where: Callable[[int], str], normalize: bool) -> tuple[torch.Tensor, int]:
+             where: Callable[[int], str], normalize: bool) -> tuple[torch.Tensor, int, int]:
     """The texts' vectors on the engine's device, L2-normalised if normalize (dot products are then cosines),
-    and their tokens. where(i) names text i in an error."""
+    their tokens, and how many were cut at the max length. where(i) names text i in an error."""
     encoded = tokenizer.encode([prompt + text for text in texts])
     if engine.ids_past_table and (why := encoded.past_table(engine.vocab_size, where)):
         raise UserError(why)
     vectors = torch.from_numpy(engine.embed(encoded.ids)).to(engine.device)
     vectors = unit(vectors) if normalize and not engine.normalize else vectors.float()
-    return vectors, sum(len(row) for row in encoded.ids)
+    return vectors, sum(len(row) for row in encoded.ids), sum(encoded.truncated)
 
 
 def _read_queries(options: ScoreOptions) -> Queries:

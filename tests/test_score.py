@@ -143,6 +143,9 @@ def test_ranking_equals_numpy_over_the_python_api(sample_ranking: tuple[Queries,
     doc_ids = [row["id"] for row in first + docs]
     indices, scores = brute_force(model.embed(queries.texts), model.embed([r["text"] for r in first + docs]), 3)
     assert ranking.documents == len(doc_ids) and ranking.skipped_empty == 0
+    # documents cut at the max length are counted, as index counts them (the sample's queries are short)
+    truncated = sum(model.tokenizer.encode([r["text"] for r in first + docs]).truncated)
+    assert ranking.truncated == truncated > 0 and ranking.to_dict()["truncated"] == truncated
     assert ranking.doc_ids == [[doc_ids[i] for i in row] for row in indices]
     np.testing.assert_allclose(ranking.scores, scores, atol=1e-5)
 
@@ -585,12 +588,13 @@ def test_the_rerank_bar_moves_as_each_query_is_scored(cross_encoder: Path) -> No
 
 def test_the_summary_counts_one_query_document_and_pair_in_the_singular() -> None:
     one = Ranking(query_ids=["q1"], doc_ids=[["a"]], scores=np.ones((1, 1), np.float32), corpus_ids=["a"],
-                  skipped_empty=1, reranked=1)
-    assert one.summary(None) == "1 query x 1 document, top 1, 1 pair reranked in 0.0 s; 1 empty document skipped -> stdout"
+                  skipped_empty=1, truncated=1, reranked=1)
+    assert one.summary(None) == ("1 query x 1 document, top 1, 1 pair reranked in 0.0 s; 1 empty document skipped, "
+                                 "1 truncated -> stdout")
     many = Ranking(query_ids=[f"q{i}" for i in range(1200)], doc_ids=[["a"] for _ in range(1200)],
                    scores=np.ones((1200, 1), np.float32), corpus_ids=["a", "b"], reranked=2400)
     assert many.summary("run.jsonl") == ("1,200 queries x 2 documents, top 1, 2,400 pairs reranked in 0.0 s; "
-                                         "0 empty documents skipped -> run.jsonl")
+                                         "0 empty documents skipped, 0 truncated -> run.jsonl")
 
 
 class UnreadyResult:

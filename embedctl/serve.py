@@ -738,6 +738,11 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _log_worker_death(pid: int, how: str) -> None:
+    log.warning("tokenizer worker process %d %s; the requests it held failed, and this process tokenizes requests "
+                "from now on", pid, how)
+
+
 def _refusal(error: QueueFull | SchedulerClosed) -> ApiError:
     """The scheduler's refusal as the API's: 429 for a full queue, 503 while shutting down."""
     if isinstance(error, QueueFull):
@@ -776,7 +781,7 @@ class _Service:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="embedctl-tokenize")
-        self.workers = TokenizerPool(self.tokenizer, self.tokenizer_processes)
+        self.workers = TokenizerPool(self.tokenizer, self.tokenizer_processes, on_death=_log_worker_death)
         self.wakeups = _Wakeups(loop)
         self.scheduler = Scheduler(self.engine, self.limits.max_queue, on_batch=self.metrics.observe_batch)
 

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, suppress
 from pathlib import Path
@@ -110,7 +110,10 @@ class TokenizerPool:
     A pulled worker's futures call no done-callbacks until they are waited on.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, processes: int, cores: int = CORES, pulled: bool = False) -> None:
+    def __init__(self, tokenizer: TextTokenizer, processes: int, cores: int = CORES, pulled: bool = False,
+                 on_death: Callable[[int, str], None] | None = None) -> None:
+        """on_death(pid, how) is called, from a thread of the pool's, when a worker dies: how it ended, as
+        "was killed by signal 9 (out of memory?)"."""
         if processes < 0:
             raise ValueError(f"processes must be 0 or more, not {processes}")
         self.tokenizer = tokenizer
@@ -122,7 +125,7 @@ class TokenizerPool:
             for _ in range(processes):
                 # A pulled future's wait polls for its answer only where the workers leave it a core (_Worker.pull).
                 self._workers.append(_Worker(tokenizer, max(1, cores // processes), pulled,
-                                             SPIN_SECONDS if pulled and processes < cores else 0.0))
+                                             SPIN_SECONDS if pulled and processes < cores else 0.0, on_death))
         except BaseException:
             self.close()
             raise
@@ -197,7 +200,8 @@ class _Worker:
     on a full pipe could never read the answers that the worker, blocked on writing them, waits to
     hand over."""
 
-    def __init__(self, tokenizer: TextTokenizer, threads: int, pulled: bool, spin_seconds: float) -> None:
+    def __init__(self, tokenizer: TextTokenizer, threads: int, pulled: bool, spin_seconds: float,
+                 on_death: Callable[[int, str], None] | None) -> None:
         answers, answers_for_worker = os.pipe()
         try:
             # Started in the package's own folder, so a folder named like ours where the user stands is not imported.
@@ -217,6 +221,7 @@ class _Worker:
         os.set_blocking(self._requests, False)  # so that a submitter writes only what the pipe takes at once
         self._unwritten = 0  # chunks handed to the writer thread and not yet all written
         self.pulled = pulled
+        self.on_death = on_death
         self.spin_seconds = spin_seconds  # how long pull() polls for an answer before it sleeps on the pipe
         self.settled = threading.Event()  # set once the worker has its tokenizer, or has died
         self.failure: UserError | None = None
@@ -354,7 +359,11 @@ class _Worker:
         failure = None
         if not self._closing:
             self.process.kill()  # a worker whose answers cannot be read may still be alive
-            failure = UserError(_death(self.process.wait()))
+            how = _ended_how(self.process.wait())
+            failure = UserError(f"a tokenizer process {how}; run again, or pass --tokenizer-processes 0 to tokenize "
+                                "in the main process")
+            if self.on_death is not None:
+                self.on_death(self.process.pid, how)
         with self._lock:
             self.failure = failure
             unanswered, self.pending = list(self.pending), deque()
@@ -387,11 +396,10 @@ class _Pulled(Future):
         return super().exception(timeout)
 
 
-def _death(code: int) -> str:
+def _ended_how(code: int) -> str:
+    """How a process with this exit status ended, for a message."""
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-    hint = " (out of memory?)" if code == -signal.SIGKILL else ""
-    return (f"a tokenizer process {how}{hint}; run again, or pass --tokenizer-processes 0 to tokenize "
-            "in the main process")
+    return how + (" (out of memory?)" if code == -signal.SIGKILL else "")
 
 
 def _unpack(flat: bytes, lengths: bytes, truncated: bytes, flat_types: bytes | None) -> Encoded:

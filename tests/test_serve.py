@@ -51,7 +51,7 @@ from engine.batch import PackedBatch
 from engine.lazy import LazyTensor
 from engine.scheduler import QueueFull, Scheduler
 from pipelines.tokenize import TextTokenizer
-from tests.files import ENV, assert_one_error_line, write_jsonl
+from tests.files import ENV, assert_one_error_line, child_processes, write_jsonl
 from tests.models import add_token_past_the_table, save_random_model
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
@@ -680,6 +680,25 @@ def test_our_log_lines_come_out_as_uvicorns_with_their_level(monkeypatch, capsys
     finally:  # the other tests' caplog reads these loggers through the root
         for name, (handlers, level, propagate) in saved.items():
             loggers[name].handlers[:], loggers[name].level, loggers[name].propagate = handlers, level, propagate
+
+
+def test_a_tokenizer_worker_that_dies_is_logged_and_the_server_goes_on(random_bert: Path, caplog) -> None:
+    engine = Engine.load(str(random_bert), EngineConfig(device="cpu", normalize=False))
+    before = child_processes()
+    with serving(create_app(engine, TextTokenizer(engine.files.tokenizer_file, engine.max_length),
+                            tokenizer_processes=1)) as url:
+        [worker] = child_processes() - before
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not any("tokenizer worker process" in record.getMessage() for record in caplog.records):
+            assert time.monotonic() < deadline, "the worker's death was not logged"
+            time.sleep(0.05)
+        after = httpx.post(url + "/embed", json={"inputs": ["still", "serving"] * 8})  # 16 texts: the workers' share
+    [record] = [record for record in caplog.records if "tokenizer worker process" in record.getMessage()]
+    assert record.levelname == "WARNING" and record.getMessage() == (
+        f"tokenizer worker process {worker} was killed by signal 9 (out of memory?); the requests it held failed, and "
+        "this process tokenizes requests from now on")
+    assert after.status_code == 200 and len(after.json()) == 16
 
 
 def test_a_failed_batch_is_logged_once_for_all_its_requests(random_bert: Path, caplog) -> None:

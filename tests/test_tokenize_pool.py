@@ -118,8 +118,8 @@ def test_chunks_submitted_before_the_workers_start_run_on_threads(tokenizer: Tex
 
 @PULLED
 def test_a_worker_that_dies_fails_what_it_held_and_threads_take_over(tokenizer: TextTokenizer, pulled: bool) -> None:
-    before = child_processes()
-    with TokenizerPool(tokenizer, processes=1, pulled=pulled) as pool:
+    before, deaths = child_processes(), []
+    with TokenizerPool(tokenizer, processes=1, pulled=pulled, on_death=lambda *death: deaths.append(death)) as pool:
         pool.wait_for_workers()
         assert_same(pool.submit(TEXTS).result(timeout=60), tokenizer.encode(TEXTS))
         held = pool.submit(TEXTS * 500)
@@ -128,6 +128,7 @@ def test_a_worker_that_dies_fails_what_it_held_and_threads_take_over(tokenizer: 
         with pytest.raises(UserError, match=r"a tokenizer process was killed by signal 9 \(out of memory\?\); "
                                             r"run again, or pass --tokenizer-processes 0"):
             held.result(timeout=60)
+        assert deaths == [(worker, "was killed by signal 9 (out of memory?)")]  # a server logs it (on_death)
         assert not pool.in_workers
         assert_same(pool.submit(TEXTS).result(timeout=60), tokenizer.encode(TEXTS))  # on this process's threads
     assert child_processes() == before

@@ -1,8 +1,8 @@
 """Streaming corpus reader: Parquet and JSONL shards in, chunks of (id, text) rows out.
 
-A CorpusReader resolves a file, directory or glob (local or any fsspec URL) to .parquet, .jsonl,
-.ndjson, .jsonl.gz and .ndjson.gz files (suffixes in any case; .json and .json.gz files too where a path
-or a glob names them, as Spark and C4 name JSON lines), checks every Parquet schema and that
+A CorpusReader resolves a file, directory or glob (local or any fsspec URL) to .parquet, .jsonl and
+.ndjson files, the JSON lines plain or compressed (.gz, .zst as Dolma and FineWeb ship them, .bz2, .xz;
+suffixes in any case; .json files too where a path or a glob names them, as Spark and C4 name JSON lines), checks every Parquet schema and that
 every JSONL file has the --keep keys up front, then yields Chunks of at most chunk_rows rows, one at a
 time, never a whole file. Every problem with the user's files becomes a one-line UserError that names
 the file (and the line for JSONL).
@@ -15,7 +15,9 @@ from __future__ import annotations
 import codecs
 import contextlib
 import fnmatch
+import io
 import json
+import lzma
 import math
 import os
 import posixpath
@@ -38,12 +40,15 @@ from engine.errors import UserError, short_reason
 from pipelines.progress import plural
 
 _PARQUET = ".parquet"
-_SUFFIXES = (_PARQUET, ".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")  # compared in lower case
-_SUFFIX_LIST = ", ".join(_SUFFIXES[:-1]) + " or " + _SUFFIXES[-1]
+# How JSON lines may be compressed: read by their suffix, .zst with Arrow's codec, the others with fsspec's.
+_COMPRESSIONS = ("", ".gz", ".zst", ".bz2", ".xz")
+# The suffixes of corpus files, compared in lower case
+_SUFFIXES = (_PARQUET, *(kind + compression for kind in (".jsonl", ".ndjson") for compression in _COMPRESSIONS))
+_SUFFIX_LIST = ".parquet, .jsonl or .ndjson (plain or compressed as .gz, .zst, .bz2 or .xz)"
 # JSON lines under a .json name (Spark's df.write.json, C4): read where the user names them, by path or by a glob
 # whose last part spells .json, not found by a folder's walk or DIR/*, where .json files are as often side files
 # (dataset_info.json).
-_JSON_SUFFIXES = (".json", ".json.gz")
+_JSON_SUFFIXES = tuple(".json" + compression for compression in _COMPRESSIONS)
 _GLOB = re.compile(r"[*?\[]")
 # A corpus file under a compression it is not read in (a .jsonl.gz is read): refused by name rather than left
 # out like a side file.
@@ -382,6 +387,10 @@ class CorpusReader:
 
     def _open_jsonl(self, f: _File) -> IO[bytes]:
         try:
+            if f.path.lower().endswith(".zst"):
+                # Arrow's, not fsspec's (zstandard's stream reader), which ends a file cut short without a word
+                compressed = pa.PythonFile(self._fs.open(f.path, "rb"), mode="r")
+                return io.BufferedReader(pa.CompressedInputStream(compressed, "zstd"))
             return self._fs.open(f.path, "rb", compression="infer")
         except OSError as e:
             raise UserError(f"cannot open {f.shown} ({short_reason(e)}); check the path and its permissions") from None
@@ -594,11 +603,11 @@ def _partitioned(files: list[_File], keep: list[str], text_keys: set[str]) -> di
 
 
 def _refuse_other_compression(shown: str) -> None:
-    """UserError for a corpus file compressed otherwise than with gzip (docs.jsonl.zst), which a folder or glob
-    would otherwise leave out without a word."""
+    """UserError for a corpus file compressed in a way it is not read in (docs.jsonl.lz4, docs.parquet.gz), which a
+    folder or glob would otherwise leave out without a word."""
     if match := _OTHER_COMPRESSION.search(shown):
         fix = ("Parquet compresses inside the file: decompress it" if match.group(0).lower().startswith(".parquet")
-               else "decompress it, or compress it with gzip (.jsonl.gz)")
+               else "decompress it, or compress it as .gz, .zst, .bz2 or .xz")
         raise UserError(f"{shown} is compressed with .{match.group(1)}, which embedctl does not read; {fix}")
 
 
@@ -855,7 +864,7 @@ def _numbered_lines(f: _File, handle: IO[bytes]) -> Iterator[tuple[int, bytes]]:
     while True:
         try:
             raw = handle.readline()
-        except (OSError, EOFError, zlib.error) as e:
+        except (OSError, EOFError, zlib.error, lzma.LZMAError) as e:
             raise UserError(
                 f"{f.shown} line {number + 1}: cannot read ({short_reason(e)}); check that the file is complete"
             ) from None

@@ -1,8 +1,10 @@
 """CorpusReader: path resolution, chunking, ids, kept columns, and a UserError for every bad input."""
 
+import bz2
 import codecs
 import gzip
 import json
+import lzma
 import os
 import zipfile
 from decimal import Decimal
@@ -116,8 +118,7 @@ def test_a_pipe_in_a_corpus_folder_is_refused_not_waited_on(tmp_path):
     os.mkfifo(tmp_path / "c" / "b.jsonl")  # opening it would wait for a writer that never comes
     for path in (f"{tmp_path}/c", f"{tmp_path}/c/*.jsonl"):
         assert error(path=path) == (f"{tmp_path}/c/b.jsonl is not a regular file (a pipe or a device); move it out "
-                                    f"of {path} or save what it gives to a .parquet, .jsonl, .ndjson, .jsonl.gz or "
-                                    ".ndjson.gz file")
+                                    f"of {path} or save what it gives to a .parquet, .jsonl or .ndjson (plain or compressed as .gz, .zst, .bz2 or .xz) file")
 
 
 def test_files_inside_a_chained_url_are_named_as_the_url_spells_them(tmp_path):
@@ -465,22 +466,22 @@ def test_missing_path(tmp_path):
 def test_a_pipe_is_named_as_one_rather_than_missing(tmp_path):
     os.mkfifo(tmp_path / "queries")  # what /dev/stdin and <(...) are when piped into
     assert error(path=str(tmp_path / "queries")) == (f"{tmp_path}/queries is not a regular file (a pipe or a device); "
-                                                     "save it to a .parquet, .jsonl, .ndjson, .jsonl.gz or .ndjson.gz "
-                                                     "file and give that")
+                                                     "save it to a .parquet, .jsonl or .ndjson (plain or compressed "
+                                                     "as .gz, .zst, .bz2 or .xz) file and give that")
 
 
 def test_directory_without_corpus_files(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
-    assert "holds no .parquet, .jsonl, .ndjson, .jsonl.gz or .ndjson.gz files" in error(path=str(tmp_path))
+    assert "holds no .parquet, .jsonl or .ndjson (plain or compressed as .gz, .zst, .bz2 or .xz) files" in error(path=str(tmp_path))
     assert "holds no" in error(path=f"{tmp_path}/*.parquet")
-    assert error(path=f"{tmp_path}/nope/*.parquet").endswith("holds no .parquet, .jsonl, .ndjson, .jsonl.gz or "
-                                                             ".ndjson.gz files; check the path")
+    assert error(path=f"{tmp_path}/nope/*.parquet").endswith("holds no .parquet, .jsonl or .ndjson (plain or "
+                                                             "compressed as .gz, .zst, .bz2 or .xz) files; check the path")
 
 
-@pytest.mark.parametrize("name, fix", [("c.jsonl.zst", "decompress it, or compress it with gzip (.jsonl.gz)"),
-                                       ("c.NDJSON.BZ2", "decompress it, or compress it with gzip (.jsonl.gz)"),
+@pytest.mark.parametrize("name, fix", [("c.jsonl.lz4", "decompress it, or compress it as .gz, .zst, .bz2 or .xz"),
+                                       ("c.NDJSON.ZSTD", "decompress it, or compress it as .gz, .zst, .bz2 or .xz"),
                                        ("c.parquet.gz", "Parquet compresses inside the file: decompress it")])
-def test_a_corpus_file_compressed_otherwise_than_with_gzip_is_refused_not_left_out(tmp_path, name, fix):
+def test_a_corpus_file_compressed_in_a_way_it_is_not_read_in_is_refused_not_left_out(tmp_path, name, fix):
     write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])
     (tmp_path / name).write_bytes(b"compressed")
     (tmp_path / "dataset_info.json").write_text("{}")  # a side file of another kind stays left out
@@ -491,10 +492,29 @@ def test_a_corpus_file_compressed_otherwise_than_with_gzip_is_refused_not_left_o
                                           f"read; {fix}")
 
 
+def zstd(data: bytes) -> bytes:
+    """data as a .zst file holds it, in two frames, as zstd -c a b > c.zst writes two files"""
+    half = len(data) // 2
+    return b"".join(pa.compress(part, "zstd", asbytes=True) for part in (data[:half], data[half:]))
+
+
+@pytest.mark.parametrize("suffix, compress", [(".jsonl.zst", zstd), (".NDJSON.BZ2", bz2.compress),
+                                              (".jsonl.xz", lzma.compress), (".json.zst", zstd)])
+def test_json_lines_compressed_as_dolma_and_fineweb_ship_them_are_read(tmp_path, suffix, compress):
+    lines = "".join(json.dumps({"id": f"d{i}", "text": f"text {i}"}) + "\n" for i in range(3000)).encode()
+    (tmp_path / f"c{suffix}").write_bytes(compress(lines))
+    reader = CorpusReader(str(tmp_path / f"c{suffix}"), chunk_rows=1000)
+    assert read_all(reader)[1:] == ([f"d{i}" for i in range(3000)], [f"text {i}" for i in range(3000)])
+    if not suffix.startswith(".json."):  # a folder's walk finds it too (.json files only where named)
+        assert CorpusReader(str(tmp_path)).files == [f"{tmp_path}/c{suffix}"]
+    (tmp_path / f"c{suffix}").write_bytes(compress(lines)[:200])  # cut short: a download that stopped
+    assert error(path=str(tmp_path / f"c{suffix}")).startswith(f"{tmp_path}/c{suffix} line ")
+
+
 def test_unsupported_single_file(tmp_path):
     (tmp_path / "a.csv").write_text("text\nx\n")
     message = error(path=str(tmp_path / "a.csv"))
-    assert "a.csv is not a .parquet, .jsonl, .ndjson, .jsonl.gz or .ndjson.gz file" in message
+    assert "a.csv is not a .parquet, .jsonl or .ndjson (plain or compressed as .gz, .zst, .bz2 or .xz) file" in message
 
 
 def test_unreadable_parquet_at_construction(tmp_path):

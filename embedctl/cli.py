@@ -465,7 +465,7 @@ def _check_paths(report: Path | None, inputs: list[str], out: str | None) -> Non
         for path in (*inputs, *([out] if out is not None else [])):
             if (local := _local(path)) is None:
                 continue
-            globbed = is_glob(path)
+            globbed = path != out and is_glob(path)  # an output is a path, never a glob
             if globbed and _glob_reads(path, written):
                 _fail(f"--report {report} would be read as input by {path} on a later run; give the report a path "
                       "the glob does not match", None)
@@ -575,9 +575,6 @@ def _click_error(error: typer.TyperException, args: list[str]) -> str:
     if type(error).__name__ == "NoArgsIsHelpError":  # by name, as typer does: the class is private
         return error.format_message()  # the help text
     message = " ".join(error.format_message().splitlines()).rstrip(".")
-    if message.startswith("Got unexpected extra argument"):  # most often a glob the shell expanded, a file each
-        message += ("; a corpus is one path: quote a glob ('docs/*.jsonl') so that the shell passes it whole, or give "
-                    "the folder")
     ctx = getattr(error, "ctx", None)  # usage errors know their command, but for an option's missing value
     if ctx is not None:
         command_path = ctx.command_path
@@ -585,6 +582,10 @@ def _click_error(error: typer.TyperException, args: list[str]) -> str:
         command = next((arg for arg in args if not arg.startswith("-")), None)
         commands = {info.name or info.callback.__name__ for info in app.registered_commands}
         command_path = "embedctl" + (f" {command}" if command in commands else "")
+    if message.startswith("Got unexpected extra argument") and command_path in ("embedctl index", "embedctl score"):
+        # most often a glob the shell expanded into a file each
+        message += ("; a corpus is one path: quote a glob ('docs/*.jsonl') so that the shell passes it whole, or give "
+                    "the folder")
     return f"error: {message} (see {command_path} --help)"
 
 

@@ -88,10 +88,11 @@ def read_qrels(path: str, query_ids: Sequence[str]) -> Qrels:
         raise UserError(f"cannot read --qrels {path} ({short_reason(error)}); check the path") from None
     qrels: Qrels = {}
     first_lines: dict[tuple[str, str], int] = {}
+    beir = bool(lines) and lines[0].split() == BEIR_HEADER
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        if (judgement := _parse(path, number, line)) is None:
+        if (judgement := _parse(path, number, line, beir)) is None:
             continue
         query_id, doc_id, relevance = judgement
         judged = qrels.setdefault(query_id, {})
@@ -144,17 +145,19 @@ def evaluate(query_ids: Sequence[str], doc_ids: Sequence[Sequence[str]], qrels: 
                    docs_missing_examples=tuple(missing[:EXAMPLES]))
 
 
-def _parse(path: str, number: int, line: str) -> tuple[str, str, int] | None:
-    """Line `number`'s judgement, or None for BEIR's header line."""
+def _parse(path: str, number: int, line: str, beir: bool) -> tuple[str, str, int] | None:
+    """Line `number`'s judgement, or None for BEIR's header line. beir: the file starts with that header, so its
+    lines have BEIR's three fields; else TREC's four (a TREC line missing its doc id must not pass for BEIR's)."""
     if line.lstrip().startswith("{"):
         return _parse_json(path, number, line)
     fields = line.split()
-    if number == 1 and fields == BEIR_HEADER:
+    if beir and number == 1:
         return None
-    if len(fields) not in (3, 4) or not _is_int(fields[-1]):
-        raise UserError(f"--qrels {path} line {number}: expected 'query_id iteration doc_id relevance' (TREC) or "
-                        f"'query-id corpus-id score' (BEIR) with an integer relevance, got {line.strip()[:80]!r}; "
-                        "fix the line")
+    if len(fields) != (3 if beir else 4) or not _is_int(fields[-1]):
+        expected = ("'query-id corpus-id score', as its BEIR header says," if beir
+                    else "'query_id iteration doc_id relevance' (TREC)")
+        raise UserError(f"--qrels {path} line {number}: expected {expected} with an integer relevance, got "
+                        f"{line.strip()[:80]!r}; fix the line")
     return fields[0], fields[-2], int(fields[-1])
 
 

@@ -2,9 +2,9 @@
 
 A CorpusReader resolves a file, directory or glob (local or any fsspec URL) to .parquet, .jsonl and
 .ndjson files, the JSON lines plain or compressed (.gz, .zst as Dolma and FineWeb ship them, .bz2, .xz;
-suffixes in any case; .json files too where a path or a glob names them, as Spark and C4 name JSON lines), checks every Parquet schema and that
-every JSONL file has the --keep keys up front, then yields Chunks of at most chunk_rows rows, one at a
-time, never a whole file. Every problem with the user's files becomes a one-line UserError that names
+suffixes in any case; .json files too where a path or a glob names them, as Spark and C4 name JSON
+lines), checks every Parquet schema and that every JSONL file has the --keep keys up front, then
+yields Chunks of at most chunk_rows rows, one at a time, never a whole file. Every problem with the user's files becomes a one-line UserError that names
 the file (and the line for JSONL).
 
 It is not a tokenizer (texts come out as they are, None for null) and it does not deduplicate ids.
@@ -50,6 +50,7 @@ _SUFFIX_LIST = ".parquet, .jsonl or .ndjson (plain or compressed as .gz, .zst, .
 # (dataset_info.json).
 _JSON_SUFFIXES = tuple(".json" + compression for compression in _COMPRESSIONS)
 _GLOB = re.compile(r"[*?\[]")
+_BARE_PROTOCOL = re.compile(r"[a-z][a-z0-9+.-]*")  # a part of a chained URL that names a protocol and no path
 # A corpus file under a compression it is not read in (a .jsonl.gz is read): refused by name rather than left
 # out like a side file.
 _OTHER_COMPRESSION = re.compile(r"\.(?:jsonl|ndjson|parquet)\.(zstd?|bz2|xz|lzma|lz4|zip|br|snappy|7z|gz|gzip|z)$",
@@ -358,10 +359,14 @@ class CorpusReader:
 
     def _source_folder_hint(self, key: str) -> str:
         """For a key no file has: where SOURCE itself names a folder key=VALUE, that only folders below SOURCE count,
-        and the glob that reads the same files with that folder below its base (a bracket is a wildcard)."""
+        and the glob that reads the same files with that folder below its base (a bracket is a wildcard; a SOURCE
+        read as spelled has its own wildcard characters escaped in it, so that the glob reads the same files)."""
         if (spelled := re.search(rf"(^|/){re.escape(key)}=", self.source)) is None:
             return ""
-        glob = f"{self.source[:spelled.start()]}{spelled.group(1)}[{key[0]}]{key[1:]}={self.source[spelled.end():]}"
+        before, after = self.source[:spelled.start()], self.source[spelled.end():]
+        if not is_glob(self.source):
+            before, after = _GLOB.sub(r"[\g<0>]", before), _GLOB.sub(r"[\g<0>]", after)
+        glob = f"{before}{spelled.group(1)}[{key[0]}]{key[1:]}={after}"
         return f" (a folder {key}=VALUE counts only below SOURCE: give a glob that spells it, '{glob}')"
 
     def _folder_column(self, f: _File, name: str, rows: int, kind: pa.DataType) -> pa.Array:
@@ -510,8 +515,12 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File], list[st
         fs, root = fsspec.core.url_to_fs(path)
     except (ValueError, ImportError, OSError) as e:
         raise UserError(f"cannot open {path} ({short_reason(e)}); give a local path or an fsspec URL") from None
-    # A chained URL (zip://docs/*.jsonl::data.zip) spells the path inside first; its files are shown so too.
-    head, chained, chain = path.partition("::")
+    # A chained URL spells the path inside its first part (zip://docs/*.jsonl::data.zip), or after the bare names of
+    # the protocols that wrap it (simplecache::s3://bucket/docs/); its files are shown so too.
+    parts = path.split("::")
+    at = next((i for i, part in enumerate(parts[:-1]) if not _BARE_PROTOCOL.fullmatch(part)), len(parts) - 1)
+    before, head, after = "".join(part + "::" for part in parts[:at]), parts[at], "".join("::" + part
+                                                                                      for part in parts[at + 1:])
     try:
         named: set[str] = set()  # files the glob itself matches, not found in a folder it matches
         globbed = _is_glob(fs, root)
@@ -546,7 +555,7 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File], list[st
     files, left_out, json_left_out = [], 0, []
     for p in sorted(set(found)):
         rel = p[len(base_root):] if p.startswith(base_root) else posixpath.basename(p)
-        shown = base + rel + chained + chain
+        shown = before + base + rel + after
         # Hidden and underscore paths hold temporary or side files (a writer's unfinished parts, Spark's
         # _SUCCESS), as pyarrow's datasets take them; unless a part of the glob spells one so itself (_*.jsonl).
         side = any(part.startswith((".", "_")) and not any(glob[:1] == part[0] and fnmatch.fnmatchcase(part, glob)

@@ -112,8 +112,9 @@ class TokenizerPool:
 
     def __init__(self, tokenizer: TextTokenizer, processes: int, cores: int = CORES, pulled: bool = False,
                  on_death: Callable[[int, str], None] | None = None) -> None:
-        """on_death(pid, how) is called, from a thread of the pool's, when a worker dies: how it ended, as
-        "was killed by signal 9 (out of memory?)"."""
+        """on_death(pid, how) is called when a worker dies, by the thread that finds it dead (the worker's reader,
+        or for a pulled pool the one waiting on its answers), once the chunks it held have failed: how it ended,
+        as "was killed by signal 9 (out of memory?)". It must not raise."""
         if processes < 0:
             raise ValueError(f"processes must be 0 or more, not {processes}")
         self.tokenizer = tokenizer
@@ -362,8 +363,6 @@ class _Worker:
             how = _ended_how(self.process.wait())
             failure = UserError(f"a tokenizer process {how}; run again, or pass --tokenizer-processes 0 to tokenize "
                                 "in the main process")
-            if self.on_death is not None:
-                self.on_death(self.process.pid, how)
         with self._lock:
             self.failure = failure
             unanswered, self.pending = list(self.pending), deque()
@@ -373,6 +372,8 @@ class _Worker:
                 result.cancel()
             elif result.set_running_or_notify_cancel():
                 result.set_exception(failure)
+        if failure is not None and self.on_death is not None:  # last: the pool has moved on, whatever it does
+            self.on_death(self.process.pid, how)
 
 
 class _Pulled(Future):

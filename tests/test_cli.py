@@ -313,6 +313,12 @@ def _report_onto_the_output(tmp: Path) -> tuple[list, list[str]]:
     return ["docs.jsonl", "--out", "x.parquet", "--report", "x.parquet"], ["--report x.parquet would overwrite x.parquet"]
 
 
+def _report_onto_a_new_output_whose_name_looks_like_a_glob(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "docs.jsonl", good_rows("a"))  # x[1].parquet names no file yet, but an output is never a glob
+    return ["docs.jsonl", "--out", "x[1].parquet", "--report", "x[1].parquet"], [
+        "--report x[1].parquet would overwrite x[1].parquet"]
+
+
 def _table_with_parquet(tmp: Path) -> tuple[list, list[str]]:
     write_jsonl(tmp / "docs.jsonl", good_rows("a"))
     return ["docs.jsonl", "--out", "x.parquet", "--table", "t"], ["--table t", "drop --table"]
@@ -376,7 +382,8 @@ def _lance_output_that_is_a_file(tmp: Path) -> tuple[list, list[str]]:
 
 REFUSED = [_unknown_kind_in_new_folders, _lance_output_that_is_a_file, _folder_output_that_is_a_file, _empty_output,
            _empty_database_with_a_table, _table_inside_a_table, _root_output, _rebuild_onto_its_source,
-           _output_inside_its_source, _report_onto_the_output, _table_with_parquet, _unknown_device,
+           _output_inside_its_source, _report_onto_the_output,
+           _report_onto_a_new_output_whose_name_looks_like_a_glob, _table_with_parquet, _unknown_device,
            _device_list_with_an_empty_entry, _device_list_with_the_cpu, _output_under_a_file,
            _output_its_glob_would_match, _output_a_bare_glob_would_match, _parts_folder_its_glob_would_read,
            _report_its_glob_would_read, _empty_source,
@@ -522,6 +529,8 @@ USAGE_ERRORS = {
                                   ["error: Got unexpected extra argument(s) (b.jsonl); a corpus is one path: quote a glob "
                                    "('docs/*.jsonl') so that the shell passes it whole, or give the folder "
                                    "(see embedctl index --help)"]),
+    "an extra argument of serve": (["serve", "some/model"], ["error: Got unexpected extra argument(s) (some/model) (see "
+                                                            "embedctl serve --help)"]),
     "unknown command": (["reindex"], ["error: No such command 'reindex'", "Did you mean 'index'?", "(see embedctl --help)"]),
 }
 

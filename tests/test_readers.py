@@ -124,11 +124,18 @@ def test_a_pipe_in_a_corpus_folder_is_refused_not_waited_on(tmp_path):
 def test_files_inside_a_chained_url_are_named_as_the_url_spells_them(tmp_path):
     with zipfile.ZipFile(tmp_path / "corpus.zip", "w") as archive:
         archive.writestr("docs/a.jsonl", '{"id": "a", "text": "zipped"}\n')
+    write_jsonl(tmp_path / "docs" / "_part.jsonl", [{"id": "p", "text": "cached"}])
+    # the path inside comes first in an archive's chain, last after the bare names of caches that wrap it
     for path, shown in ((f"zip://docs::{tmp_path}/corpus.zip", f"zip://docs/a.jsonl::{tmp_path}/corpus.zip"),
-                        (f"zip://docs/*.jsonl::{tmp_path}/corpus.zip", f"zip://docs/a.jsonl::{tmp_path}/corpus.zip")):
+                        (f"zip://docs/*.jsonl::{tmp_path}/corpus.zip", f"zip://docs/a.jsonl::{tmp_path}/corpus.zip"),
+                        (f"simplecache::file://{tmp_path}/docs/_*.jsonl", f"simplecache::file://{tmp_path}/docs/_part.jsonl"),
+                        (f"blockcache::file://{tmp_path}/docs/_part.jsonl",
+                         f"blockcache::file://{tmp_path}/docs/_part.jsonl")):
         reader = CorpusReader(path)
         assert reader.files == [shown]
-        assert read_all(reader)[1:] == (["a"], ["zipped"])
+        assert read_all(reader)[1:] == ((["a"], ["zipped"]) if path.startswith("zip") else (["p"], ["cached"]))
+    with pytest.raises(UserError, match=r"docs/ holds no .* but 1 file under a name that starts with \. or _"):
+        CorpusReader(f"simplecache::file://{tmp_path}/docs/")  # a folder's walk leaves the _ file out, as locally
     assert error(path=f"zip://a.jsonl::{tmp_path}/missing.zip").startswith(
         f"cannot open zip://a.jsonl::{tmp_path}/missing.zip (")
 
@@ -676,6 +683,12 @@ def test_a_partition_folder_in_source_itself_is_named_in_the_missing_column_mess
     # the glob reads what SOURCE read, lang=fr not among it
     assert [c.kept.to_pylist() for c in CorpusReader(f"{tmp_path}/c/[l]ang=en", keep=["lang"])] == [[{"lang": "en"}]]
     assert [c.kept.to_pylist() for c in CorpusReader(f"{tmp_path}/d/[l]ang=en/", keep=["lang"])] == [[{"lang": "en"}]]
+    # a SOURCE read as spelled keeps its own brackets in the glob: data[v2] must not become a class matching data2
+    write_parquet(tmp_path / "data[v2]" / "lang=en" / "a.parquet", {"text": ["mine"]})
+    write_parquet(tmp_path / "data2" / "lang=en" / "b.parquet", {"text": ["another corpus"]})
+    glob = f"{tmp_path}/data[[]v2]/[l]ang=en"
+    assert error(path=f"{tmp_path}/data[v2]/lang=en", keep=["lang"]).endswith(hint.format(glob))
+    assert [c.texts for c in CorpusReader(glob, keep=["lang"])] == [["mine"]]
 
 
 def test_jsonl_kept_key_in_no_line_is_refused_up_front(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -344,9 +345,15 @@ def test_beir_qrels_read_like_trec(tmp_path: Path) -> None:
     assert read_qrels(str(tmp_path / "test.tsv"), ["q1", "q2"]) == {"q1": {"a": 2}, "q2": {"b": 0}}
     write_jsonl(tmp_path / "qrels.jsonl", [{"query-id": "q1", "corpus-id": "a", "score": 0}])
     assert read_qrels(str(tmp_path / "qrels.jsonl"), ["q1"]) == {"q1": {"a": 0}}
-    (tmp_path / "late.tsv").write_text("q1\ta\t1\nquery-id\tcorpus-id\tscore\n")  # a header only heads the file
-    with pytest.raises(UserError, match="late.tsv line 2: expected 'query_id iteration doc_id relevance'"):
-        read_qrels(str(tmp_path / "late.tsv"), ["q1"])
+    # Three fields only under BEIR's header: else a TREC line missing its doc id, q1 0 7, would judge document "0"
+    for name, text, message in (("late.tsv", "q1\ta\t1\nquery-id\tcorpus-id\tscore\n", "line 1: expected 'query_id "
+                                 "iteration doc_id relevance' (TREC)"),
+                                ("trec.txt", "q1 0 a 1\nq1 0 7\n", "line 2: expected 'query_id iteration doc_id"),
+                                ("mixed.tsv", "query-id\tcorpus-id\tscore\nq1\ta\t1\nq1 0 b 1\n",
+                                 "line 3: expected 'query-id corpus-id score', as its BEIR header says, with")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(UserError, match=re.escape(f"{name} {message}")):
+            read_qrels(str(tmp_path / name), ["q1"])
 
 
 def test_a_jsonl_grade_under_a_key_of_another_name_is_refused_not_read_as_relevant(tmp_path: Path) -> None:

@@ -25,7 +25,9 @@ if [ -f .bundle/site.tar.xz ]; then
 fi
 { date -u; cat COMMIT 2>/dev/null || git rev-parse --short HEAD; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$out/machine.txt"
-eval python3 -m pytest -p no:cacheprovider -q -ra "$1" 2>&1 | tee "$out/tests.log"  # eval: $1 may quote a -k expression
+# eval: $1 may quote a -k expression. No -q of our own: a -v in $1 then names each test as it ends, which a run cut
+# by its time limit needs (run173's log, under -q, had dots and no names).
+eval python3 -m pytest -p no:cacheprovider -ra "$1" 2>&1 | tee "$out/tests.log"
 tests=$?  # pytest's, through pipefail: the script ends with it, so a failed test is not hidden by the benchmarks after it
 echo "pytest rc $tests" | tee -a "$out/tests.log"
 shift

@@ -1513,14 +1513,12 @@ class _Metrics:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()  # batches are observed on the scheduler thread, requests on the loop
-        self.requests: dict[tuple[str, int], int] = {}
-        self.latency: dict[tuple[str, int], _Histogram] = {}
+        self.latency: dict[tuple[str, int], _Histogram] = {}  # by (endpoint, status); its counts are requests_total
         self.batch_tokens = _Histogram(TOKEN_BUCKETS)
 
     def observe_request(self, path: str, status: int, seconds: float) -> None:
         endpoint = path if path in ENDPOINTS else "other"  # unknown paths must not grow the label set
         with self.lock:
-            self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
             self.latency.setdefault((endpoint, status), _Histogram(LATENCY_BUCKETS)).observe(seconds)
 
     def observe_batch(self, batch: PackedBatch) -> None:
@@ -1538,7 +1536,8 @@ class _Metrics:
         with self.lock:
             family("embedctl_requests_total", "counter",
                    "HTTP requests by endpoint and status; 499: the client left before its reply.",
-                   [f'embedctl_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
+                   [f'embedctl_requests_total{{endpoint="{e}",status="{s}"}} {sum(h.counts)}'
+                    for (e, s), h in sorted(self.latency.items())])
             family("embedctl_request_duration_seconds", "histogram",
                    "Time from request to response, by endpoint and status.",
                    [line for (e, s), h in sorted(self.latency.items())

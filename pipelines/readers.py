@@ -519,8 +519,8 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File], list[st
     # the protocols that wrap it (simplecache::s3://bucket/docs/); its files are shown so too.
     parts = path.split("::")
     at = next((i for i, part in enumerate(parts[:-1]) if not _BARE_PROTOCOL.fullmatch(part)), len(parts) - 1)
-    before, head, after = "".join(part + "::" for part in parts[:at]), parts[at], "".join("::" + part
-                                                                                      for part in parts[at + 1:])
+    before, head = "".join(part + "::" for part in parts[:at]), parts[at]
+    after = "".join("::" + part for part in parts[at + 1:])
     try:
         named: set[str] = set()  # files the glob itself matches, not found in a folder it matches
         globbed = _is_glob(fs, root)

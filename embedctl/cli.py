@@ -105,7 +105,7 @@ ServeCompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", envvar=
 
 @app.command()
 def index(
-    source: Annotated[str, typer.Argument(metavar="SOURCE", help="A Parquet/JSONL file, a directory, a glob or an fsspec URL.")],
+    sources: Annotated[list[str], typer.Argument(metavar="SOURCE", help="Parquet/JSONL files, directories, globs or fsspec URLs: one, or several read as one corpus.")],
     out: Annotated[str, typer.Option("--out", "-o", help="vectors.lance, a LanceDB URI (with --table), out.parquet or a directory/.")],
     table: Annotated[Optional[str], typer.Option(help="Table name when --out is a LanceDB URI.")] = None,
     model: ModelOpt = None,
@@ -144,9 +144,14 @@ def index(
 
     The first run builds --out; the same command run again updates it and resumes a killed run.
 
+    Several SOURCEs (docs/*.jsonl as the shell expands it) are read in the order given, as the one glob that matched
+    them all would read them: ids made for files without an id column (FILE:ROW) and key=value folders are named
+    below the folder common to them.
+
     Exit codes: 0 done; 2 a problem with the input or the options (one line on stderr); 75 another run holds --out; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
     """
-    source, out, model, report = _home(source), _output_path(_home(out)), _home(model), _home(report)
+    sources = [_home(source) for source in sources]
+    out, model, report = _output_path(_home(out)), _home(model), _home(report)
     if overwrite or append:  # the flags of earlier versions: say what replaced them
         _fail(f"--{'overwrite' if overwrite else 'append'} is gone: running again into an existing output updates "
               "it (new rows added, changed rows re-embedded); drop the flag, or pass --rebuild to replace the output",
@@ -160,7 +165,7 @@ def index(
         config = EngineConfig(device=devices[0], dtype=dtype, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                               cuda_graphs=not eager, compile=fuse, warmup=warmup, attention=attention, normalize=normalize,
                               dim=dim, max_length=max_length, lanes=lanes)
-        options = IndexOptions(source=source, out=out, table=table, text_col=text_col, id_col=id_col,
+        options = IndexOptions(source=tuple(sources), out=out, table=table, text_col=text_col, id_col=id_col,
                                keep=tuple(keep or ()), prompt=doc_prompt, prompt_name=doc_prompt_name, rebuild=rebuild, prune=prune,
                                commit_rows=commit_rows, optimize=optimize, on_long=on_long.value, on_empty=on_empty.value,
                                on_duplicate=on_duplicate.value, tokenizer_processes=tokenizer_processes)
@@ -202,7 +207,7 @@ def index(
             _write_report(report, result.to_json())
 
     table_folder = f"{out.rstrip('/')}/{table}.lance" if table is not None and out.strip("/") else out
-    _check_paths(report, [source], table_folder)
+    _check_paths(report, sources, table_folder)
     _guarded(run, report)
 
 
@@ -582,10 +587,10 @@ def _click_error(error: typer.TyperException, args: list[str]) -> str:
         command = next((arg for arg in args if not arg.startswith("-")), None)
         commands = {info.name or info.callback.__name__ for info in app.registered_commands}
         command_path = "embedctl" + (f" {command}" if command in commands else "")
-    if message.startswith("Got unexpected extra argument") and command_path in ("embedctl index", "embedctl score"):
+    if message.startswith("Got unexpected extra argument") and command_path == "embedctl score":
         # most often a glob the shell expanded into a file each
-        message += ("; a corpus is one path: quote a glob ('docs/*.jsonl') so that the shell passes it whole, or give "
-                    "the folder")
+        message += ("; QUERIES and DOCS are one path each: quote a glob ('docs/*.jsonl') so that the shell passes it "
+                    "whole, or give the folder")
     return f"error: {message} (see {command_path} --help)"
 
 

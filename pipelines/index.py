@@ -67,7 +67,7 @@ WRITER_QUEUE_CHUNKS = 16
 
 @dataclass(frozen=True)
 class IndexOptions:
-    source: str
+    source: str | tuple[str, ...]  # one SOURCE, or several read as one corpus (CorpusReader)
     out: str
     table: str | None = None
     text_col: str = "text"

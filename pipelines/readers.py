@@ -1,9 +1,9 @@
 """Streaming corpus reader: Parquet and JSONL shards in, chunks of (id, text) rows out.
 
-A CorpusReader resolves a file, directory or glob (local or any fsspec URL) to .parquet, .jsonl and
-.ndjson files, the JSON lines plain or compressed (.gz, .zst as Dolma and FineWeb ship them, .bz2, .xz;
-suffixes in any case; .json files too where a path or a glob names them, as Spark and C4 name JSON
-lines), checks every Parquet schema and that every JSONL file has the --keep keys up front, then
+A CorpusReader resolves a file, directory or glob (local or any fsspec URL), or several read as one
+corpus, to .parquet, .jsonl and .ndjson files, the JSON lines plain or compressed (.gz, .zst as Dolma
+and FineWeb ship them, .bz2, .xz; suffixes in any case; .json files too where a path or a glob names
+them, as Spark and C4 name JSON lines), checks every Parquet schema and that every JSONL file has the --keep keys up front, then
 yields Chunks of at most chunk_rows rows, one at a time, never a whole file. Every problem with the user's files becomes a one-line UserError that names
 the file (and the line for JSONL).
 
@@ -26,7 +26,7 @@ import sys
 import urllib.parse
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import IO
 
@@ -75,6 +75,7 @@ class Chunk:
 
 @dataclass
 class _File:
+    fs: fsspec.AbstractFileSystem
     path: str  # fsspec path, protocol stripped
     shown: str  # the user's spelling of it
     rel: str  # name relative to the given directory: the prefix of generated ids
@@ -90,21 +91,22 @@ class CorpusReader:
 
     def __init__(
         self,
-        path: str,
+        path: str | Sequence[str],
         text_col: str = "text",
         id_col: str = "id",
         keep: Sequence[str] = (),
         chunk_rows: int = 1024,
         flags: tuple[str, str] = ("--text-col", "--id-col"),
     ) -> None:
-        """flags: the options that set text_col and id_col, as the errors name them."""
+        """path: one SOURCE, or several (see _resolve_sources). flags: the options that set text_col and id_col, as
+        the errors name them."""
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
         self.text_col, self.id_col, self.chunk_rows = text_col, id_col, chunk_rows
         self.text_flag, self.id_flag = flags
         self.keep = list(dict.fromkeys(keep))
-        self.source = path
-        self._fs, self._files, self.json_left_out = _resolve(path)
+        self.sources = [path] if isinstance(path, str) else list(path)
+        self._files, self.json_left_out = _resolve_sources(self.sources)
         self.files: list[str] = [f.shown for f in self._files]
         # Every chunk's kept table gets one schema so the writer can fix its schema from the first.
         self._kept_schema: pa.Schema | None = None
@@ -179,7 +181,7 @@ class CorpusReader:
 
     def _open_parquet(self, f: _File) -> tuple[IO[bytes], pq.ParquetFile]:
         try:
-            handle = self._fs.open(f.path, "rb")
+            handle = f.fs.open(f.path, "rb")
         except OSError as e:
             raise UserError(f"cannot open {f.shown} ({short_reason(e)}); check the path and its permissions") from None
         try:
@@ -360,11 +362,17 @@ class CorpusReader:
     def _source_folder_hint(self, key: str) -> str:
         """For a key no file has: where SOURCE itself names a folder key=VALUE, that only folders below SOURCE count,
         and the glob that reads the same files with that folder below its base (a bracket is a wildcard; a SOURCE
-        read as spelled has its own wildcard characters escaped in it, so that the glob reads the same files)."""
-        if (spelled := re.search(rf"(^|/){re.escape(key)}=", self.source)) is None:
+        read as spelled has its own wildcard characters escaped in it, so that the glob reads the same files).
+        Several SOURCEs count the folders below the one common to them (_resolve_sources)."""
+        spelling = rf"(^|/){re.escape(key)}="
+        if len(self.sources) > 1:
+            named = any(re.search(spelling, source) for source in self.sources)
+            return f" (a folder {key}=VALUE counts only below the folder common to the SOURCEs)" if named else ""
+        source = self.sources[0]
+        if (spelled := re.search(spelling, source)) is None:
             return ""
-        before, after = self.source[:spelled.start()], self.source[spelled.end():]
-        if not is_glob(self.source):
+        before, after = source[:spelled.start()], source[spelled.end():]
+        if not is_glob(source):
             before, after = _GLOB.sub(r"[\g<0>]", before), _GLOB.sub(r"[\g<0>]", after)
         glob = f"{before}{spelled.group(1)}[{key[0]}]{key[1:]}={after}"
         return f" (a folder {key}=VALUE counts only below SOURCE: give a glob that spells it, '{glob}')"
@@ -394,9 +402,9 @@ class CorpusReader:
         try:
             if f.path.lower().endswith(".zst"):
                 # Arrow's, not fsspec's (zstandard's stream reader), which ends a file cut short without a word
-                compressed = pa.PythonFile(self._fs.open(f.path, "rb"), mode="r")
+                compressed = pa.PythonFile(f.fs.open(f.path, "rb"), mode="r")
                 return io.BufferedReader(pa.CompressedInputStream(compressed, "zstd"))
-            return self._fs.open(f.path, "rb", compression="infer")
+            return f.fs.open(f.path, "rb", compression="infer")
         except OSError as e:
             raise UserError(f"cannot open {f.shown} ({short_reason(e)}); check the path and its permissions") from None
 
@@ -508,9 +516,34 @@ class CorpusReader:
         return table
 
 
-def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File], list[str]]:
-    """The files a path names, sorted, each with its shown name and its name relative to the base; and the .json
-    files that a folder's walk found and left out, as the user would spell them."""
+def _resolve_sources(paths: Sequence[str]) -> tuple[list[_File], list[str]]:
+    """The files of one SOURCE (_resolve), or of several as the one glob that matched them all would read them
+    (the shell's expansion of docs/*.jsonl, or a.jsonl b/): each file once, in the order given, named (the prefix
+    of generated ids, the key=value folders) below the deepest folder common to them; and the .json files that
+    their folders' walks left out."""
+    resolved = [_resolve(path) for path in paths]
+    if len(resolved) == 1:
+        files, json_left_out, _ = resolved[0]
+        return files, json_left_out
+    filesystems = [files[0].fs for files, _, _ in resolved]
+    if other := next((path for path, fs in zip(paths, filesystems) if fs != filesystems[0]), None):
+        raise UserError(f"{paths[0]} and {other} are on different filesystems, which one run does not read together; "
+                        "copy them to one place, or give them in runs of their own")
+    common = posixpath.commonpath([base for *_, base in resolved])
+    every: dict[str, _File] = {}
+    for files, _, base in resolved:
+        below = base[len(common):].strip("/")
+        for f in files:
+            rel = f"{below}/{f.rel}" if below else f.rel
+            key = os.path.realpath(f.path) if isinstance(f.fs, LocalFileSystem) else f.path
+            every.setdefault(key, replace(f, rel=rel, partitions=_partitions(rel)))
+    return list(every.values()), list(dict.fromkeys(shown for _, json_left_out, _ in resolved for shown in json_left_out))
+
+
+def _resolve(path: str) -> tuple[list[_File], list[str], str]:
+    """The files a path names, sorted, each with its shown name and its name relative to the base; the .json
+    files that a folder's walk found and left out, as the user would spell them; and the base (fsspec's path, with
+    a trailing /: the folder given, a file's folder, or the folder a glob searches)."""
     try:
         fs, root = fsspec.core.url_to_fs(path)
     except (ValueError, ImportError, OSError) as e:
@@ -540,7 +573,7 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File], list[st
                 _refuse_other_compression(path)
                 raise UserError(f"{path} is not a {_SUFFIX_LIST} file (or JSON lines named .json); rename it or "
                                 "convert it")
-            return fs, [_File(root, path, posixpath.basename(root))], []
+            return [_File(fs, root, path, posixpath.basename(root))], [], root[:root.rfind("/") + 1]
         elif fs.exists(root):  # a pipe (/dev/stdin, <(...)) or a device: read once, with no name to tell its format
             raise UserError(f"{path} is not a regular file (a pipe or a device); save it to a {_SUFFIX_LIST} file and "
                             "give that")
@@ -571,14 +604,14 @@ def _resolve(path: str) -> tuple[fsspec.AbstractFileSystem, list[_File], list[st
             raise UserError(f"{shown} is not a regular file (a pipe or a device); move it out of {path} or "
                             f"save what it gives to a {_SUFFIX_LIST} file")
         else:
-            files.append(_File(p, shown, rel, partitions=_partitions(rel)))
+            files.append(_File(fs, p, shown, rel, partitions=_partitions(rel)))
     if not files:
         hidden = (f" but {plural(left_out, 'file')} under a name that starts with . or _, which are left out as "
                   "temporary or side files; rename them, or name them in a glob (_*.jsonl)") if left_out else ""
         json_files = (f" but {plural(len(json_left_out), '.json file')}, read only where a path or glob names them "
                       "(DIR/*.json)") if json_left_out else ""
         raise UserError(f"{path} holds no {_SUFFIX_LIST} files{hidden}{json_files}; check the path")
-    return fs, files, json_left_out
+    return files, json_left_out, base_root
 
 
 def _partitions(rel: str) -> dict[str, str | None]:

@@ -246,6 +246,12 @@ def _output_inside_its_source(tmp: Path) -> tuple[list, list[str]]:
     return ["docs", "--out", "docs/vectors.parquet"], ["overlap"]
 
 
+def _output_inside_its_second_source(tmp: Path) -> tuple[list, list[str]]:
+    write_jsonl(tmp / "a.jsonl", good_rows("a"))
+    write_jsonl(tmp / "docs" / "b.jsonl", good_rows("b"))
+    return ["a.jsonl", "docs", "--out", "docs/vectors.parquet"], ["--out docs/vectors.parquet and the input docs overlap"]
+
+
 def _output_its_glob_would_match(tmp: Path) -> tuple[list, list[str]]:
     (tmp / "docs").mkdir()
     pq.write_table(pa.Table.from_pylist(good_rows("a")), tmp / "docs" / "a.parquet")
@@ -382,7 +388,7 @@ def _lance_output_that_is_a_file(tmp: Path) -> tuple[list, list[str]]:
 
 REFUSED = [_unknown_kind_in_new_folders, _lance_output_that_is_a_file, _folder_output_that_is_a_file, _empty_output,
            _empty_database_with_a_table, _table_inside_a_table, _root_output, _rebuild_onto_its_source,
-           _output_inside_its_source, _report_onto_the_output,
+           _output_inside_its_source, _output_inside_its_second_source, _report_onto_the_output,
            _report_onto_a_new_output_whose_name_looks_like_a_glob, _table_with_parquet, _unknown_device,
            _device_list_with_an_empty_entry, _device_list_with_the_cpu, _output_under_a_file,
            _output_its_glob_would_match, _output_a_bare_glob_would_match, _parts_folder_its_glob_would_read,
@@ -525,10 +531,10 @@ USAGE_ERRORS = {
     "bad choice": (["index", "docs.jsonl", "--out", "x.lance", "--on-long", "sometimes"],
                    ["'--on-long'", "'sometimes' is not one of 'truncate', 'error'", "(see embedctl index --help)"]),
     "not a number": (["score", "queries.jsonl", "docs.jsonl", "--top-k", "many"], ["'--top-k'", "(see embedctl score --help)"]),
-    "a glob the shell expanded": (["index", "a.jsonl", "b.jsonl", "--out", "x.lance"],
-                                  ["error: Got unexpected extra argument(s) (b.jsonl); a corpus is one path: quote a glob "
-                                   "('docs/*.jsonl') so that the shell passes it whole, or give the folder "
-                                   "(see embedctl index --help)"]),
+    "a glob the shell expanded": (["score", "queries.jsonl", "a.jsonl", "b.jsonl"],
+                                  ["error: Got unexpected extra argument(s) (b.jsonl); QUERIES and DOCS are one path "
+                                   "each: quote a glob ('docs/*.jsonl') so that the shell passes it whole, or give the "
+                                   "folder (see embedctl score --help)"]),
     "an extra argument of serve": (["serve", "some/model"], ["error: Got unexpected extra argument(s) (some/model) (see "
                                                             "embedctl serve --help)"]),
     "unknown command": (["reindex"], ["error: No such command 'reindex'", "Did you mean 'index'?", "(see embedctl --help)"]),
@@ -765,6 +771,14 @@ def test_another_source_into_the_same_output_adds_its_rows(existing: Path) -> No
     result = embedctl_index("extra.jsonl", "--out", "x.lance", "--keep", "source", "-q", cwd=existing)
     assert result.returncode == 0, result.stderr
     assert lance_ids(existing) == [*old, "n1", "n2"]
+
+
+def test_several_sources_are_one_corpus_and_prune_keeps_the_rows_of_each(existing: Path) -> None:
+    write_jsonl(existing / "more" / "extra.jsonl", [{"id": "n3", "text": "A third new document.", "source": "more"}])
+    result = embedctl_index("extra.jsonl", "more", "--out", "x.lance", "--keep", "source", "--prune", "-q",
+                            cwd=existing)
+    assert result.returncode == 0, result.stderr
+    assert lance_ids(existing) == ["n1", "n2", "n3"]
 
 
 def test_a_read_only_table_is_one_line_and_unchanged(existing: Path) -> None:

@@ -212,6 +212,52 @@ def test_memory_url():
         fs.rm("/readers-test", recursive=True)
 
 
+def test_several_sources_read_as_the_one_glob_that_matched_them_all(tmp_path):
+    # the shell's expansion of shards/*.jsonl gives the ids the quoted glob gives
+    for name in ("1", "2"):
+        write_jsonl(tmp_path / "shards" / f"{name}.jsonl", [{"text": f"row {name}"}])
+    expanded = CorpusReader([f"{tmp_path}/shards/1.jsonl", f"{tmp_path}/shards/2.jsonl"])
+    assert read_all(expanded)[1:] == read_all(CorpusReader(f"{tmp_path}/shards/*.jsonl"))[1:] \
+        == (["1.jsonl:1", "2.jsonl:1"], ["row 1", "row 2"])
+    # folders: each file named below the folder common to them, so files of one name stay apart; in the order given
+    write_jsonl(tmp_path / "b" / "p.jsonl", [{"text": "b's"}])
+    write_jsonl(tmp_path / "a" / "p.jsonl", [{"text": "a's"}])
+    reader = CorpusReader([f"{tmp_path}/b", f"{tmp_path}/a/"])
+    assert reader.files == [f"{tmp_path}/b/p.jsonl", f"{tmp_path}/a/p.jsonl"]
+    assert read_all(reader)[1:] == (["b/p.jsonl:1", "a/p.jsonl:1"], ["b's", "a's"])
+    # a file that two SOURCEs reach is read once, named as the first reached it
+    assert read_all(CorpusReader([f"{tmp_path}/shards", f"{tmp_path}/shards/2.jsonl", f"{tmp_path}/shards/"]))[1] \
+        == ["1.jsonl:1", "2.jsonl:1"]
+    # one SOURCE in a list is that SOURCE
+    assert read_all(CorpusReader([f"{tmp_path}/a/p.jsonl"]))[1] == read_all(CorpusReader(f"{tmp_path}/a/p.jsonl"))[1]
+    # a SOURCE that names nothing is named, whichever it is
+    assert error(path=[f"{tmp_path}/a", f"{tmp_path}/absent"]).startswith(f"{tmp_path}/absent does not exist")
+
+
+def test_several_sources_take_the_key_value_folders_below_the_one_common_to_them(tmp_path):
+    for lang, part in (("en", 0), ("fr", 0), ("en", 1)):
+        write_jsonl(tmp_path / "data" / f"lang={lang}" / f"part-{part}.jsonl", [{"text": lang}])
+    both = CorpusReader([f"{tmp_path}/data/lang=en/", f"{tmp_path}/data/lang=fr/"], keep=["lang"])
+    assert [chunk.kept.to_pylist() for chunk in both] == [[{"lang": "en"}], [{"lang": "en"}], [{"lang": "fr"}]]
+    # as 'data/lang=*/' would; within one folder's files the key is above them, as for one SOURCE
+    one_folder = [f"{tmp_path}/data/lang=en/part-0.jsonl", f"{tmp_path}/data/lang=en/part-1.jsonl"]
+    assert error(path=one_folder, keep=["lang"]).endswith(
+        "check its spelling or drop it from --keep (a folder lang=VALUE counts only below the folder common to the "
+        "SOURCEs)")
+
+
+def test_sources_on_different_filesystems_are_refused(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "local"}])
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/readers-test-two/b.jsonl", b'{"text": "in memory"}\n')
+    try:
+        assert error(path=[str(tmp_path / "a.jsonl"), "memory://readers-test-two/b.jsonl"]) == (
+            f"{tmp_path}/a.jsonl and memory://readers-test-two/b.jsonl are on different filesystems, which one run "
+            "does not read together; copy them to one place, or give them in runs of their own")
+    finally:
+        fs.rm("/readers-test-two", recursive=True)
+
+
 def test_jsonl_gz(tmp_path):
     rows = [{"id": f"d{i}", "text": f"text {i}"} for i in range(50)]
     reader = CorpusReader(str(write_jsonl(tmp_path / "a.jsonl.gz", rows, gz=True)), chunk_rows=16)

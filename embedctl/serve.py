@@ -5,12 +5,13 @@
     POST /embed          text-embeddings-inference-compatible (inputs, normalize, truncate, prompt_name, dimensions)
     POST /rerank         query + texts (TEI reply) or documents (Cohere-style reply), sorted by score;
                          POST /v1/rerank /v2/rerank too, where Cohere's and Jina's clients post
+    POST /similarity     TEI's: the cosine of a source sentence's vector with each other sentence's, in order
     POST / /invocations  the model's own task, as TEI routes it: /rerank for a cross-encoder, else /embed
                          (/invocations is SageMaker's path for it)
     POST /tokenize /decode   TEI's: the tokens of texts, the texts of token ids
     GET  /info           TEI's description of the model and the server's limits
-    GET  /health /ping / 200 once warmed up, else 503 in TEI's error shape (/ping is SageMaker's health check,
-                         GET / TEI's too)
+    GET  /health /ping / 200 once warmed up, else 503 in TEI's error shape, with Retry-After unless the warm-up
+                         failed (/ping is SageMaker's health check, GET / TEI's too)
     GET  /metrics /v1/models /v1/models/{id} /docs (and /models, /models/{id}: /v1/models without /v1)
 
 The app uvicorn runs is _Front, a plain ASGI callable: it checks the API key and the body size,
@@ -22,7 +23,8 @@ several times what the request itself costs on the CPU, and the server runs on o
 
 Errors come in the shape of the API a route belongs to, which is what that API's clients parse:
 TEI's {"error", "error_type"} on TEI's routes (TEI_PATHS), OpenAI's {"error": {"message", "type",
-"param", "code"}} everywhere else (_error_reply).
+"param", "code"}} everywhere else (_error_reply), its param naming the request field at fault where
+there is one (input, input[1], dimensions, model).
 
 A request is tokenized on the event loop when it is short and the engine idle, spread over the worker
 processes of a TokenizerPool when it holds many texts (beside a GPU, where the pool has workers:
@@ -35,7 +37,7 @@ request, which is what lets /embed honour `normalize: false`. Texts get the mode
 `embedctl index` (documents) and `embedctl score` (queries) give them, so that the vectors agree.
 /rerank scores by the bi-encoder's similarity (the model's own, as score ranks by: cosine unless its
 config names dot, euclidean or manhattan), or with the model itself when it is a cross-encoder (which
-then has no vectors).
+then has no vectors); /similarity by cosine always, as TEI's does.
 
 The engine is loaded with its CUDA graph warm-up unless --no-warmup: every batch shape (of sequences up
 to 512 tokens) is captured before the port answers, because a shape captured under traffic stalls every
@@ -134,9 +136,9 @@ TASK_PATHS = ("/", "/invocations")  # the model's own task, as TEI routes it; /i
 # options and parameters (Hugging Face's Inference API) close to none.
 MISSPELT_CUTOFF = 0.75
 # Routes of TEI's API, which answer errors in its shape and with its statuses; the others answer in OpenAI's.
-TEI_PATHS = frozenset({*TASK_PATHS, *HEALTH_PATHS, "/embed", "/rerank", "/tokenize", "/decode", "/info"})
-ENDPOINTS = (*EMBEDDINGS_PATHS, "/embed", *RERANK_PATHS, *TASK_PATHS, "/tokenize", "/decode", "/info", *HEALTH_PATHS,
-             "/metrics", *MODELS_PATHS, "/docs", "/openapi.json")
+TEI_PATHS = frozenset({*TASK_PATHS, *HEALTH_PATHS, "/embed", "/rerank", "/similarity", "/tokenize", "/decode", "/info"})
+ENDPOINTS = (*EMBEDDINGS_PATHS, "/embed", *RERANK_PATHS, "/similarity", *TASK_PATHS, "/tokenize", "/decode", "/info",
+             *HEALTH_PATHS, "/metrics", *MODELS_PATHS, "/docs", "/openapi.json")
 # Seconds: from a short query on a GPU to a request of thousands of texts on a CPU, which takes a minute
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0, 120.0)
@@ -171,8 +173,9 @@ REFUSALS = {
     500: "The server failed on the request (on /v1/embeddings, the engine too)",
     503: "The server is shutting down; retry after Retry-After",
 }
-NOT_READY = ("Not ready: the model is warming up (retry after Retry-After), its warm-up failed, or the engine fails "
-             "(see the server log)")
+NOT_READY = ("Not ready: the model is warming up or the engine fails (retry after Retry-After; see the server log), "
+             "or its warm-up failed (no Retry-After: only a restart helps)")
+CUT_OFF = "the server is shutting down and cut this request off; send it again"
 CLIENT_GONE = 499  # the metrics' status for a request whose client disconnected before its reply
 # Requests with bodies this large are watched for their client going away while they run, so that an
 # abandoned one stops holding the queue; for smaller ones (a query: milliseconds) the watch would cost
@@ -240,17 +243,29 @@ class ApiError(HTTPException):
 
     error_type is TEI's kind of error, which TEI's routes answer beside the message (by default the
     one TEI gives an error of this status); an empty input is TEI's "Empty", with status 400.
+    param is the request field the refusal is about (input, input[1], dimensions), which OpenAI's error
+    names as its param; None when it is about no one field.
     """
 
     def __init__(self, status_code: int, detail: str, headers: dict[str, str] | None = None,
                  error_type: TeiErrorType | None = None, openai_status: int | None = None,
-                 openai_code: str | None = None) -> None:
+                 openai_code: str | None = None, param: str | None = None) -> None:
         super().__init__(status_code, detail, headers)
         self.error_type = error_type or TEI_ERROR_TYPES.get(status_code, "Validation")
         # OpenAI's routes answer with its status for this refusal where it differs (OPENAI_STATUS by default),
         # and its error code where it gives one.
         self.openai_status = openai_status or OPENAI_STATUS.get(status_code, status_code)
         self.openai_code = openai_code
+        self.param = param
+
+
+class _FieldError(ValueError):
+    """A check of a whole request body that finds one field at fault: pydantic gives such a check's error no
+    location, so the field travels here, to be the OpenAI error's param (_param_of)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 # Requests and replies. Fields are strict (no "yes" for true, no "5" for 5). OpenAI's route refuses
@@ -278,7 +293,7 @@ class _TeiRequest(BaseModel):
                     continue
                 close = difflib.get_close_matches(name, cls.model_fields, n=1, cutoff=MISSPELT_CUTOFF)
                 if close:
-                    raise ValueError(f"{name}: is not a field of this endpoint; did you mean {close[0]}?")
+                    raise _FieldError(name, f"{name}: is not a field of this endpoint; did you mean {close[0]}?")
         return data
 
 
@@ -377,8 +392,47 @@ class RerankRequest(_TeiRequest):
         return self
 
 
+class SimilarityInputs(_TeiRequest):
+    source_sentence: str = Field(description="The text the others are compared with")
+    sentences: list[str] = Field(description="The texts to compare with it; the reply has a score for each, in order")
+
+
+class SimilarityParameters(_TeiRequest):
+    truncate: bool | None = Field(default=None, description="null or true: cut over-long texts; false: refuse them")
+    truncation_direction: Literal["right", "Right", "left", "Left"] = "right"
+    prompt_name: str | None = Field(default=None, description="A prompt of the model's sentence-transformers config "
+                                    "to put before every text (default: its document prompt, as /embed puts)")
+
+
+class SimilarityRequest(_TeiRequest):
+    """TEI's /similarity request: its options go in `parameters`, as TEI (and Hugging Face's sentence-similarity
+    task) reads them."""
+
+    inputs: SimilarityInputs
+    parameters: SimilarityParameters | None = None
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs_shape(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return value
+        raise ValueError('must be an object {"source_sentence": text, "sentences": [texts to compare with it]}')
+
+    @model_validator(mode="before")
+    @classmethod
+    def _options_in_parameters(cls, data: Any) -> Any:
+        # An option beside `inputs` is one TEI ignores: refused, as a misspelt one is, rather than silently not applied.
+        if isinstance(data, dict):
+            for name in data:
+                close = difflib.get_close_matches(name, SimilarityParameters.model_fields, n=1, cutoff=MISSPELT_CUTOFF)
+                if close:
+                    raise _FieldError(name, f"{name}: goes inside parameters on this endpoint, as TEI reads it: "
+                                            f'{{"parameters": {{"{close[0]}": ...}}}}')
+        return data
+
+
 TEI_FIELDS = frozenset().union(*(model.model_fields for model in (EmbedRequest, TokenizeRequest, DecodeRequest,
-                                                                    RerankRequest)))
+                                                                    RerankRequest, SimilarityRequest)))
 
 
 class Embedding(BaseModel):
@@ -559,6 +613,10 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
     async def embed(body: EmbedRequest) -> None:
         """text-embeddings-inference-compatible embeddings: one vector per input, in order."""
 
+    @app.post("/similarity", response_model=list[float], responses=inference_errors)
+    async def similarity(body: SimilarityRequest) -> None:
+        """TEI's sentence similarity: the cosine of each sentence's vector with the source sentence's, in order."""
+
     async def rerank(body: RerankRequest) -> None:
         """Documents sorted by relevance to the query, best first (ties in input order)."""
 
@@ -591,11 +649,14 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
         """200 once the model is warmed up; 503 before, when the warm-up failed, or while the engine fails (TEI's
         error shape)."""
         if service.warm_error is not None:
+            # No Retry-After: the warm-up is not run again, so this server answers 503 until it is restarted.
             raise ApiError(503, f"the warm-up failed: {service.warm_error}")
         if not service.ready:
             raise ApiError(503, f"the model is warming up; retry after {RETRY_AFTER_SECONDS} s", headers=RETRY_AFTER)
         if not await service.healthy():
-            raise ApiError(503, f"the engine fails ({service.engine_failure}); see the server log")
+            # Retry-After: each check runs a text through the engine again, and answers 200 once one goes through.
+            raise ApiError(503, f"the engine fails ({service.engine_failure}); see the server log; retry after "
+                                f"{RETRY_AFTER_SECONDS} s", headers=RETRY_AFTER)
         return Health()
 
     for path in (*HEALTH_PATHS, "/"):
@@ -629,8 +690,8 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, limits: ServeLimits = S
         app.add_api_route(route.path, route.endpoint, methods=["HEAD"], include_in_schema=False)
 
     routes: dict[str, tuple[type[BaseModel], Handler]] = {
-        "/embed": (EmbedRequest, service.embed), "/tokenize": (TokenizeRequest, service.tokens),
-        "/decode": (DecodeRequest, service.decode)}
+        "/embed": (EmbedRequest, service.embed), "/similarity": (SimilarityRequest, service.sentence_similarity),
+        "/tokenize": (TokenizeRequest, service.tokens), "/decode": (DecodeRequest, service.decode)}
     routes |= dict.fromkeys(RERANK_PATHS, (RerankRequest, service.rerank))
     routes |= dict.fromkeys(TASK_PATHS, routes[main_task])
     routes |= dict.fromkeys(EMBEDDINGS_PATHS, (EmbeddingsRequest, service.embeddings))
@@ -747,7 +808,13 @@ def _refusal(error: QueueFull | SchedulerClosed) -> ApiError:
     """The scheduler's refusal as the API's: 429 for a full queue, 503 while shutting down."""
     if isinstance(error, QueueFull):
         return ApiError(429, f"the server is busy: {error}; retry after {RETRY_AFTER_SECONDS} s", headers=RETRY_AFTER)
-    return ApiError(503, "the server is shutting down; retry against another instance", headers=RETRY_AFTER)
+    return _shutting_down("the server is shutting down; retry against another instance")
+
+
+def _shutting_down(message: str) -> ApiError:
+    # Retry-After: a retry goes, through the load balancer, to another instance or to this one restarted; the
+    # request itself was fine.
+    return ApiError(503, message, headers=RETRY_AFTER)
 
 
 class _Service:
@@ -829,10 +896,11 @@ class _Service:
             vectors, _ = await self.run_texts(inputs, "inputs", truncate, self.prompt(body.prompt_name), from_left)
         elif body.prompt_name is not None:
             raise ApiError(422, "prompt_name applies to texts, not token ids; put the prompt's ids in front of "
-                                "each list, or send texts")
+                                "each list, or send texts", param="prompt_name")
         elif from_left:
             raise ApiError(422, "truncation_direction left applies to texts, not token ids; cut the lists to the "
-                                f"model's max length of {self.engine.max_length} yourself, or send texts")
+                                f"model's max length of {self.engine.max_length} yourself, or send texts",
+                           param="truncation_direction")
         elif any(isinstance(item, str) for item in inputs):
             vectors = await self.run_mixed(inputs, "inputs", truncate, self.prompt(None))
         else:
@@ -856,6 +924,18 @@ class _Service:
         return _dumps([{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if with_text else {})}
                        for i in order])
 
+    async def sentence_similarity(self, body: SimilarityRequest) -> bytes:
+        """TEI's /similarity: the cosine of each sentence's vector with the source sentence's, in order, as TEI's
+        is cosine whatever similarity the model names (/rerank's); every text gets the same prompt, as on /embed."""
+        self.check_vectors(None)
+        options = body.parameters or SimilarityParameters()
+        prompt = self.prompt(options.prompt_name)
+        scores, _ = await self.similarities(
+            body.inputs.source_sentence, body.inputs.sentences, "cosine", options.truncate is not False,
+            ("inputs.source_sentence", "inputs.sentences"), (prompt, prompt),
+            options.truncation_direction.lower() == "left")
+        return _dumps(scores)
+
     async def tokens(self, body: TokenizeRequest) -> bytes:
         """/tokenize: the tokens /embed would embed for each input, past the max length too."""
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
@@ -864,7 +944,7 @@ class _Service:
 
         def token_lists(prompted: list[str]) -> list[list[dict[str, Any]]]:
             too_many = ApiError(413, f"inputs hold more than {TOKENIZE_MAX_TOKENS:,} tokens, the most /tokenize answers "
-                                     "per request; send less text per request")
+                                     "per request; send less text per request", param="inputs")
             # A long request is counted first, in pieces: tokenized whole, 4 MB of text took 1.2 GB and 15 s of a
             # tokenizer thread before its refusal, and the memory stayed with the process.
             if sum(map(len, prompted)) > COUNT_CHARS and more_tokens_than(
@@ -908,12 +988,12 @@ class _Service:
         try:
             return resolve_prompt(self.engine.files, "document", None, name)
         except UserError as error:
-            raise ApiError(422, f"prompt_name: {error}") from None
+            raise ApiError(422, f"prompt_name: {error}", param="prompt_name") from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:  # 404 "model_not_found", as OpenAI answers
             raise ApiError(404, f"unknown model {model!r}; this server serves {self.name!r} (see GET /v1/models)",
-                           openai_code="model_not_found")
+                           openai_code="model_not_found", param="model")
 
     def check_vectors(self, dimensions: int | None) -> None:
         if self.engine.num_labels:
@@ -921,7 +1001,7 @@ class _Service:
                                 "call POST /rerank")
         if dimensions is not None and dimensions > self.engine.dim:
             raise ApiError(422, f"dimensions {_clipped(dimensions)} is more than the model's {self.engine.dim}; "
-                                f"ask for at most {self.engine.dim}")
+                                f"ask for at most {self.engine.dim}", param="dimensions")
 
     async def run_input(self, value: str | list[str] | list[int] | list[list[int]]) -> tuple[np.ndarray, int]:
         """OpenAI `input`'s rows and token count: texts are tokenized and truncated; token ids are checked
@@ -1035,22 +1115,23 @@ class _Service:
         # The empty string alone, as OpenAI refuses it in a batch: a blank text is embedded, as TEI embeds it, and
         # clients that work around OpenAI's refusal send " " instead of "".
         if not text:
-            raise _empty(f"{name} is an empty string; send at least one character")
+            raise _empty(f"{name} is an empty string; send at least one character", name)
 
     def check_ids(self, ids: list[int], name: str) -> None:
         if not ids:
-            raise _empty(f"{name} is an empty token-id list; send at least one token id")
+            raise _empty(f"{name} is an empty token-id list; send at least one token id", name)
         if min(ids) < 0 or max(ids) >= self.engine.vocab_size:
             raise ApiError(422, f"{name} holds a token id outside the model's vocabulary "
-                                f"0..{self.engine.vocab_size - 1}; send ids from this model's tokenizer")
+                                f"0..{self.engine.vocab_size - 1}; send ids from this model's tokenizer", param=name)
 
     def check_count(self, count: int, field: str) -> None:
         if count == 0:
-            raise _empty(f"{field} is empty; send at least one item")
+            raise _empty(f"{field} is empty; send at least one item", field)
         if count > self.limits.max_client_batch:
+            # OpenAI refuses more than 2,048 inputs with 400, and clients split on it
             raise ApiError(413, f"{count} items in one request is more than this server's --max-client-batch "
                                 f"{self.limits.max_client_batch}; split them over several requests",
-                           openai_status=400)  # OpenAI refuses more than 2,048 inputs with 400, and clients split on it
+                           openai_status=400, param=field)
 
     def check_encoded(self, encoded: Encoded, first: int = 0, *, field: str, truncate: bool,
                       paired: bool = False) -> None:
@@ -1061,46 +1142,67 @@ class _Service:
             i = first + encoded.truncated.index(True)
             what, fix = (f"the query with {field}[{i}]", "shorten them") if paired else (f"{field}[{i}]", "shorten it")
             raise ApiError(422, f"{what} is longer than the model's max length of {self.engine.max_length} tokens "
-                                f"and truncate is false; {fix} or send truncate: true")
+                                f"and truncate is false; {fix} or send truncate: true",
+                           param=None if paired else f"{field}[{i}]")
         if self.engine.ids_past_table:
             self.check_in_table(encoded, lambda i: f"{field}[{first + i}]")
 
     def check_in_table(self, encoded: Encoded, name: Callable[[int], str]) -> None:
         """A 422, not a failed batch that would fail other clients' requests with it, for a text holding a
         token that the tokenizer adds past the embedding table (Qwen3-Embedding-4B's <think>)."""
-        if why := encoded.past_table(self.engine.vocab_size, name):
-            raise ApiError(422, why)
+        named: list[str] = []  # past_table names the one text it refuses, which is the error's param too
+
+        def name_of(i: int) -> str:
+            named.append(name(i))
+            return named[-1]
+
+        if why := encoded.past_table(self.engine.vocab_size, name_of):
+            raise ApiError(422, why, param=named[-1])
 
     async def scores(self, query: str, texts: Sequence[str], truncate: bool, field: str,
                      from_left: bool = False, raw: bool = False) -> tuple[np.ndarray, int]:
         """Relevance of each text to the query, and the tokens it took: cross-encoder scores (with raw, its
         logits) or the bi-encoder's similarities. An over-long input loses its end, or with from_left its start."""
+        if not self.engine.num_labels:
+            return await self.similarities(query, texts, self.similarity, truncate, ("query", field),
+                                           (self.prompts["query"], self.prompts["document"]), from_left)
         self.check_text(query, "query")
         self.check_texts(texts, field)
-        check_truncated = functools.partial(self.check_encoded, field=field, truncate=truncate)
-        encode = self.tokenizer.encode_from_left if from_left else None
-        if self.engine.num_labels:
-            if self.engine.ids_past_table:  # named here: every pair holds the query
-                self.check_in_table(self.tokenizer.encode([query]), lambda _: "query")
-            check_pairs = functools.partial(check_truncated, paired=True)
-            rows, tokens = await self.tokenize_and_run([query] * len(texts), check_pairs, texts, encode)
-            return rows[:, 0] if raw else self.engine.activate(rows[:, 0]), tokens
+        if self.engine.ids_past_table:  # named here: every pair holds the query
+            self.check_in_table(self.tokenizer.encode([query]), lambda _: "query")
+        check_pairs = functools.partial(self.check_encoded, field=field, truncate=truncate, paired=True)
+        rows, tokens = await self.tokenize_and_run([query] * len(texts), check_pairs, texts,
+                                                   self.tokenizer.encode_from_left if from_left else None)
+        return rows[:, 0] if raw else self.engine.activate(rows[:, 0]), tokens
+
+    async def similarities(self, query: str, texts: Sequence[str], similarity: str, truncate: bool,
+                           names: tuple[str, str], prompts: tuple[str, str],
+                           from_left: bool = False) -> tuple[np.ndarray, int]:
+        """The named similarity (SIMILARITIES) of each text's vector to the query's, and the tokens they took.
+        names: what errors call the query and the texts' field; prompts: what goes before the query and before
+        each text. An over-long input loses its end, or with from_left its start."""
+        query_name, field = names
+        self.check_text(query, query_name)
+        self.check_texts(texts, field)
+        check_texts = functools.partial(self.check_encoded, field=field, truncate=truncate)
 
         def check_query_then_texts(encoded: Encoded, first: int) -> None:
             if first == 0:  # the query is text 0, so with truncate false a long query is named before any text
                 if not truncate and encoded.truncated[0]:
-                    raise ApiError(422, f"query is longer than the model's max length of {self.engine.max_length} "
-                                        "tokens and truncate is false; shorten it or send truncate: true")
+                    raise ApiError(422, f"{query_name} is longer than the model's max length of "
+                                        f"{self.engine.max_length} tokens and truncate is false; shorten it or send "
+                                        "truncate: true", param=query_name)
                 if self.engine.ids_past_table:
-                    self.check_in_table(Encoded(encoded.ids[:1], encoded.truncated[:1]), lambda _: "query")
+                    self.check_in_table(Encoded(encoded.ids[:1], encoded.truncated[:1]), lambda _: query_name)
                 encoded, first = Encoded(encoded.ids[1:], encoded.truncated[1:]), 1
-            check_truncated(encoded, first - 1)
+            check_texts(encoded, first - 1)
 
-        query_prompt, document_prompt = self.prompts["query"], self.prompts["document"]
-        rows, tokens = await self.tokenize_and_run([query_prompt + query, *(document_prompt + text for text in texts)],
-                                                   check_query_then_texts, encode=encode)
+        query_prompt, text_prompt = prompts
+        rows, tokens = await self.tokenize_and_run([query_prompt + query, *(text_prompt + text for text in texts)],
+                                                   check_query_then_texts,
+                                                   encode=self.tokenizer.encode_from_left if from_left else None)
         vectors = torch.from_numpy(self.finish(rows, None, self.normalize))
-        return pair_scores_of(self.similarity, vectors[:1], vectors[1:])[0].numpy(), tokens
+        return pair_scores_of(similarity, vectors[:1], vectors[1:])[0].numpy(), tokens
 
     def submit(self, encoded: Encoded) -> asyncio.Future:
         """Queue the sequences for the engine; the future settles on the loop with their rows, or the error.
@@ -1210,11 +1312,12 @@ def _error_reply(path: str, error: ApiError) -> tuple[int, bytes]:
     status = error.openai_status
     return status, orjson.dumps({"error": {"message": error.detail,
                                            "type": OPENAI_ERROR_TYPES.get(status, "invalid_request_error"),
-                                           "param": None, "code": error.openai_code or OPENAI_CODES.get(status)}})
+                                           "param": error.param,
+                                           "code": error.openai_code or OPENAI_CODES.get(status)}})
 
 
-def _empty(message: str) -> ApiError:
-    return ApiError(400, message, error_type="Empty")
+def _empty(message: str, param: str) -> ApiError:
+    return ApiError(400, message, error_type="Empty", param=param)
 
 
 def _error_responses(shape: type[BaseModel], *statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -1258,7 +1361,23 @@ def _invalid(error: ValidationError) -> ApiError:
         elif where == "body" and problem["type"] in BODY_PROBLEMS:
             message = "must be a JSON object with this endpoint's fields; see /docs"
         parts.append(f"{where}: {message}")
-    return ApiError(422, "; ".join(parts))
+    fields = {_param_of(problem) for problem in problems}
+    return ApiError(422, "; ".join(parts), param=fields.pop() if len(fields) == 1 else None)
+
+
+def _param_of(problem: Mapping[str, Any]) -> str | None:
+    """The request field a validation problem is about, as OpenAI's param names one: the top-level field and
+    the item of it (input, input[1], documents[0]), not pydantic's names for the branches of a union; None for
+    the body as a whole."""
+    location = problem["loc"]
+    if not location:
+        return getattr(problem.get("ctx", {}).get("error"), "field", None)
+    path = str(location[0])
+    for part in location[1:]:
+        if not isinstance(part, int):
+            break
+        path += f"[{part}]"
+    return path
 
 
 Handler = Callable[[Any], Awaitable[bytes]]
@@ -1335,8 +1454,7 @@ class _Front:
             try:
                 body = await self._body(receive)
             except asyncio.CancelledError:  # a shutdown's drain ran out while the body was still arriving
-                return await _refuse(send, path, ApiError(503, "the server is shutting down and cut this request off; "
-                                                               "send it again", RETRY_AFTER))
+                return await _refuse(send, path, _shutting_down(CUT_OFF))
             if body is None:
                 return CLIENT_GONE
             try:
@@ -1346,8 +1464,7 @@ class _Front:
             try:
                 reply = await (_unless_gone(handler(request), receive) if len(body) >= WATCH_BYTES else handler(request))
             except asyncio.CancelledError:  # a shutdown cut it off (its time to drain ran out, or a forced quit)
-                return await _refuse(send, path, ApiError(503, "the server is shutting down and cut this request off; "
-                                                               "send it again", RETRY_AFTER))
+                return await _refuse(send, path, _shutting_down(CUT_OFF))
             return CLIENT_GONE if reply is None or _gone(receive) else await _reply(send, 200, reply)
         except ApiError as error:
             return await _refuse(send, path, error)

@@ -66,7 +66,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # of many sizes grows its heap for about a minute before levelling off (measured on MiniLM: 450 -> 510
 # MiB over 60 s, then flat). A fixed threshold removes that warm-up, so 30 s can tell a leak from it.
 SERVER_ENV = {**ENV, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
-TEI_ROUTES = {"/", "/invocations", "/embed", "/rerank", "/tokenize", "/decode", "/info", "/health", "/ping"}
+TEI_ROUTES = {"/", "/invocations", "/embed", "/rerank", "/similarity", "/tokenize", "/decode", "/info", "/health",
+              "/ping"}
 
 
 def free_port() -> int:
@@ -299,6 +300,35 @@ def test_rerank_sorts_documents_by_cosine(client: httpx.Client, texts, indexed) 
     assert refused.status_code == 400 and refusal(refused)[1] == "invalid_request_error"  # in OpenAI's shape
 
 
+def test_similarity_is_the_cosine_of_the_embed_vectors_of_its_sentences(server: Server, client: httpx.Client,
+                                                                       texts) -> None:
+    """TEI's /similarity, in the order of its sentences: 20 of them and the source, spread over the two tokenizer
+    workers, as /embed's 21 texts are."""
+    source, sentences = texts[0], texts[1:21]
+    inputs = {"source_sentence": source, "sentences": sentences}
+    vectors = np.array(client.post("/embed", json={"inputs": [source, *sentences], "normalize": False}).json())
+    cosines = unit(vectors[1:]) @ unit(vectors[0])
+    reply = client.post("/similarity", json={"inputs": inputs})
+    assert reply.status_code == 200, reply.text
+    np.testing.assert_allclose(reply.json(), cosines, atol=1e-5)
+    # Hugging Face's client for the sentence-similarity task, given the route's URL, as it calls a TEI endpoint
+    hf = huggingface_hub.InferenceClient(model=server.url + "/similarity", token=KEY)
+    np.testing.assert_allclose(hf.sentence_similarity(source, sentences), cosines, atol=1e-5)
+    # TEI's options, in `parameters`, as /embed applies them
+    long = " ".join(f"item {i}" for i in range(300))
+    left = np.array(client.post("/embed", json={"inputs": [long, texts[1]], "normalize": False,
+                                                "truncation_direction": "Left"}).json())
+    from_left = client.post("/similarity", json={"inputs": {"source_sentence": long, "sentences": [texts[1]]},
+                                                 "parameters": {"truncation_direction": "Left", "truncate": None}})
+    assert from_left.status_code == 200, from_left.text
+    np.testing.assert_allclose(from_left.json(), unit(left[1:]) @ unit(left[0]), atol=1e-5)
+    for long_one, named in (({"source_sentence": LONG, "sentences": ["a"]}, "inputs.source_sentence is longer"),
+                            ({"source_sentence": "a", "sentences": ["b", LONG]}, "inputs.sentences[1] is longer")):
+        refused = client.post("/similarity", json={"inputs": long_one, "parameters": {"truncate": False}})
+        assert refused.status_code == 422 and named in refusal(refused)[0]
+        assert client.post("/similarity", json={"inputs": long_one, "parameters": None}).status_code == 200
+
+
 # TEI's other routes
 
 
@@ -403,9 +433,11 @@ def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, mi
     assert re.search(r'embedctl_requests_total\{endpoint="/v1/models",status="200"\} [1-9]', text)
     schema = client.get("/openapi.json").json()
     paths = schema["paths"]
-    assert {"/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v1/rerank", "/v2/rerank", "/", "/invocations",
-            "/tokenize", "/decode", "/info", "/health", "/ping", "/metrics", "/v1/models", "/models"} <= set(paths)
-    for path in ("/v1/embeddings", "/embeddings", "/embed", "/rerank", "/", "/invocations", "/tokenize", "/decode"):
+    assert {"/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v1/rerank", "/v2/rerank", "/similarity", "/",
+            "/invocations", "/tokenize", "/decode", "/info", "/health", "/ping", "/metrics", "/v1/models",
+            "/models"} <= set(paths)
+    for path in ("/v1/embeddings", "/embeddings", "/embed", "/rerank", "/similarity", "/", "/invocations", "/tokenize",
+                 "/decode"):
         assert "requestBody" in paths[path]["post"]  # served outside FastAPI, described by it
 
     def described(path: str) -> tuple[dict, dict]:
@@ -423,6 +455,7 @@ def test_health_models_metrics_and_docs(server: Server, client: httpx.Client, mi
 
     # Each route documents its refusals in the shape it answers them, and no FastAPI 422 it never answers.
     tei_refusals = {"/embed": "400 404 413 415 422 424 429 503", "/rerank": "400 404 413 415 422 424 429 503",
+                    "/similarity": "400 413 415 422 424 429 503",
                     "/": "400 404 413 415 422 424 429 503", "/invocations": "400 404 413 415 422 424 429 503",
                     "/tokenize": "400 413 415 422", "/decode": "400 413 415 422"}
     for path, statuses in tei_refusals.items():
@@ -526,6 +559,29 @@ ERRORS = [
                                                      "truncate": False}, KEY, 422, "Validation", "texts[15] is longer"),
     ("texts and documents", "/rerank", {"query": "q", "texts": ["a"], "documents": ["b"]}, KEY, 422, "Validation",
      "exactly one"),
+    ("no key on /similarity", "/similarity", {"inputs": {"source_sentence": "q", "sentences": ["a"]}}, None, 401,
+     "Validation", "Authorization: Bearer"),
+    ("no sentences", "/similarity", {"inputs": {"source_sentence": "q", "sentences": []}}, KEY, 400, "Empty",
+     "inputs.sentences is empty; send at least one item"),
+    ("empty source sentence", "/similarity", {"inputs": {"source_sentence": "", "sentences": ["a"]}}, KEY, 400, "Empty",
+     "inputs.source_sentence is an empty string"),
+    ("empty sentence", "/similarity", {"inputs": {"source_sentence": "q", "sentences": ["a", ""]}}, KEY, 400, "Empty",
+     "inputs.sentences[1] is an empty string"),
+    ("a number among sentences", "/similarity", {"inputs": {"source_sentence": "q", "sentences": ["a", 1]}}, KEY, 422,
+     "Validation", "inputs.sentences.1: Input should be a valid string"),
+    ("/embed's inputs to /similarity", "/similarity", {"inputs": ["q", "a"]}, KEY, 422, "Validation",
+     'inputs: must be an object {"source_sentence": text, "sentences": [texts to compare with it]}'),
+    ("misspelt sentences", "/similarity", {"inputs": {"source_sentence": "q", "sentence": ["a"]}}, KEY, 422,
+     "Validation", "sentence: is not a field of this endpoint; did you mean sentences?"),
+    ("too many sentences", "/similarity", {"inputs": {"source_sentence": "q", "sentences": ["x"] * 33}}, KEY, 413,
+     "Validation", "33 items in one request is more than this server's --max-client-batch 32"),
+    # TEI reads /similarity's options from `parameters` only, and would not apply one beside `inputs`
+    ("an option beside inputs", "/similarity",
+     {"inputs": {"source_sentence": "q", "sentences": ["a"]}, "truncate": False}, KEY, 422, "Validation",
+     'truncate: goes inside parameters on this endpoint, as TEI reads it: {"parameters": {"truncate": ...}}'),
+    ("an unknown prompt", "/similarity", {"inputs": {"source_sentence": "q", "sentences": ["a"]},
+                                          "parameters": {"prompt_name": "classification"}}, KEY, 422, "Validation",
+     "prompt_name: "),
     ("empty query", "/rerank", {"query": "", "texts": ["a"]}, KEY, 400, "Empty", "query is an empty string"),
     ("empty text to the root", "/", {"inputs": ""}, KEY, 400, "Empty", "inputs[0] is an empty string"),
     ("empty text to /invocations", "/invocations", {"inputs": ""}, KEY, 400, "Empty", "inputs[0] is an empty string"),
@@ -592,6 +648,39 @@ def test_bad_requests_get_their_status_and_message(server: Server, texts, indexe
         after = client.post("/embed", json={"inputs": texts[5]})
     assert after.status_code == 200
     np.testing.assert_allclose(after.json()[0], indexed[0][5], atol=1e-5)
+
+
+def test_openai_errors_name_the_request_field_at_fault_as_their_param(server: Server, minilm_dir: Path) -> None:
+    """OpenAI's error object names the parameter that caused the error; the official client reads it as .param."""
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    name = str(minilm_dir)
+    for fields, error, param in [
+            (dict(input=["fine", ""]), openai.BadRequestError, "input[1]"),
+            (dict(input=[]), openai.BadRequestError, "input"),
+            (dict(input=["x"] * 33), openai.BadRequestError, "input"),
+            (dict(input=[[101, 102], [101, 10 ** 6]]), openai.BadRequestError, "input[1]"),
+            (dict(input=5), openai.BadRequestError, "input"),
+            (dict(input="x", dimensions=385), openai.BadRequestError, "dimensions"),
+            (dict(input="x", dimensions=0), openai.BadRequestError, "dimensions"),
+            (dict(input="x", encoding_format="xml"), openai.BadRequestError, "encoding_format"),
+            (dict(input="x", extra_body={"options": {}}), openai.BadRequestError, "options"),
+            (dict(input="x", model="gpt-4"), openai.NotFoundError, "model")]:
+        with pytest.raises(error) as refused:
+            api.embeddings.create(**{"model": name, **fields})
+        assert refused.value.param == param, (fields, refused.value.body)
+    with server.client() as client:
+        replies = {
+            "documents[0]": client.post("/v1/rerank", json={"query": "q", "documents": [{"body": "x"}]}),
+            "top_k": client.post("/v1/rerank", json={"query": "q", "documents": ["a"], "top_k": 1}),
+            "query": client.post("/v2/rerank", json={"query": "", "documents": ["a"]}),
+            # about no one field: two fields wrong, the body as a whole, the key
+            None: [client.post("/v1/embeddings", json={"input": 5, "dimensions": "3"}),
+                   client.post("/v1/embeddings", content=b"[1]", headers={"Content-Type": "application/json"}),
+                   client.post("/v1/rerank", json={"query": "q", "texts": ["a"], "documents": ["b"]}),
+                   httpx.post(server.url + "/v1/embeddings", json={"input": "x"})]}
+    for param, reply in replies.items():
+        for each in reply if isinstance(reply, list) else [reply]:
+            assert each.status_code in (400, 401) and each.json()["error"]["param"] == param, each.text
 
 
 @pytest.mark.parametrize("header, status", [(f"bearer {KEY}", 200), (f"BEARER  {KEY}", 200), (f"Basic {KEY}", 401)])
@@ -1350,6 +1439,7 @@ def test_a_token_past_the_embedding_table_fails_its_own_request_only(random_bert
     assert all(answer.status_code == 200 for answer in answers[1::2])
     assert query.status_code == 422 and refusal(query)[0].startswith("query holds token id 30522")
     assert document.status_code == 400 and refusal(document)[0].startswith("input[1] holds token id 30522")
+    assert document.json()["error"]["param"] == "input[1]"
 
 
 def test_a_token_past_the_table_is_named_in_spread_requests_and_by_a_cross_encoder(tmp_path: Path) -> None:
@@ -1385,9 +1475,15 @@ def test_rerank_with_a_bi_encoder_scores_by_the_model_s_similarity(tmp_path: Pat
     tokenizer = TextTokenizer(engine.files.tokenizer_file, engine.max_length)
     with serving(create_app(engine, tokenizer)) as url:
         ranked = httpx.post(url + "/rerank", json={"query": "where is the cat", "texts": documents}).json()
+        similarity_reply = httpx.post(url + "/similarity", json={"inputs": {"source_sentence": "where is the cat",
+                                                                              "sentences": documents}}).json()
     assert [hit["index"] for hit in ranked] == np.argsort(-expected, kind="stable").tolist()
     np.testing.assert_allclose([hit["score"] for hit in sorted(ranked, key=lambda hit: hit["index"])], expected,
                                rtol=1e-4, atol=1e-4)
+    # /similarity is cosine whatever the model names, as TEI's is
+    cosines = unit(peer.encode(documents)) @ unit(peer.encode(["where is the cat"]))[0]
+    np.testing.assert_allclose(similarity_reply, cosines, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(similarity_reply, expected, atol=1e-2)
 
 
 def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path) -> None:
@@ -1417,6 +1513,7 @@ def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path)
         cut = httpx.post(url + "/rerank", json={"query": query, "texts": docs, "truncate": False})
         from_left = httpx.post(url + "/rerank", json={"query": query, "texts": docs, "truncation_direction": "Left"}).json()
         vectors = httpx.post(url + "/embed", json={"inputs": "x"})
+        similarity = httpx.post(url + "/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y"]}})
         openai_vectors = httpx.post(url + "/v1/embeddings", json={"input": "x"})
         info = httpx.get(url + "/info").json()
     assert [hit["index"] for hit in hits] == order.tolist()
@@ -1438,6 +1535,7 @@ def test_rerank_with_a_cross_encoder_scores_pairs_with_the_model(tmp_path: Path)
                                atol=1e-5)
     assert {hit["index"] for hit in from_left} == set(range(len(docs)))
     assert vectors.status_code == 422 and "cross-encoder" in refusal(vectors)[0]
+    assert similarity.status_code == 422 and "has no vectors; call POST /rerank" in refusal(similarity)[0]
     assert openai_vectors.status_code == 400 and "cross-encoder" in refusal(openai_vectors)[0]
     assert info["model_type"] == {"reranker": {"id2label": config["id2label"], "label2id": config["label2id"]}}
     with serving(create_app(engine, tokenizer, tokenizer_processes=2)) as url:
@@ -1622,8 +1720,10 @@ def test_health_is_503_while_the_engine_fails_and_200_once_it_answers_again(rand
     assert before.status_code == 200 and failed.status_code == 424
     for reply in while_broken:
         message, error_type = refusal(reply)
-        assert reply.status_code == 503 and error_type == "Unhealthy"
-        assert message == "the engine fails (index 29145 is out of bounds for dimension 0 with size 5000); see the server log"
+        # with Retry-After, unlike a failed warm-up: each check tries the engine again, and may find it mended
+        assert reply.status_code == 503 and error_type == "Unhealthy" and reply.headers["Retry-After"] == "1"
+        assert message == ("the engine fails (index 29145 is out of bounds for dimension 0 with size 5000); see the "
+                           "server log; retry after 1 s")
     assert "embedctl_ready 0" in gauge_broken.splitlines()
     assert mended.status_code == 200 and "embedctl_ready 1" in gauge_mended.splitlines()
 

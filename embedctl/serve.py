@@ -385,6 +385,17 @@ class RerankRequest(_TeiRequest):
     truncation_direction: Literal["right", "Right", "left", "Left"] = "right"
     model: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _documents_shape(cls, data: Any) -> Any:
+        # One message for a document of neither form, instead of pydantic's one per branch of the union, which
+        # named the branches by their Python types (documents.0.RerankDocument.text).
+        documents = data.get("documents") if isinstance(data, dict) else None
+        for i, document in enumerate(documents if isinstance(documents, list) else ()):
+            if not (isinstance(document, str) or isinstance(document, dict) and isinstance(document.get("text"), str)):
+                raise _FieldError(f"documents[{i}]", f'documents[{i}]: must be a text or an object {{"text": text}}')
+        return data
+
     @model_validator(mode="after")
     def _one_list(self) -> RerankRequest:
         if (self.texts is None) == (self.documents is None):
@@ -1351,7 +1362,7 @@ def _invalid(error: ValidationError) -> ApiError:
         return ApiError(400, f"the request body is not valid JSON ({problems[0]['ctx']['error']}); send a JSON object")
     parts = []
     for problem in problems[:3]:
-        where = ".".join(str(part) for part in problem["loc"]) or "body"
+        where = _location(problem["loc"]) or "body"
         message = problem["msg"].removeprefix("Value error, ")
         if where == "body" and problem["type"] == "value_error":  # a check of the whole request, which names its fields
             parts.append(message)
@@ -1363,6 +1374,12 @@ def _invalid(error: ValidationError) -> ApiError:
         parts.append(f"{where}: {message}")
     fields = {_param_of(problem) for problem in problems}
     return ApiError(422, "; ".join(parts), param=fields.pop() if len(fields) == 1 else None)
+
+
+def _location(parts: Sequence[str | int]) -> str:
+    """A field's place in the request as our own messages name it: inputs.sentences[1], not pydantic's
+    inputs.sentences.1."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in parts).lstrip(".")
 
 
 def _param_of(problem: Mapping[str, Any]) -> str | None:

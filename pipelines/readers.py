@@ -106,6 +106,8 @@ class CorpusReader:
         self.text_flag, self.id_flag = flags
         self.keep = list(dict.fromkeys(keep))
         self.sources = [path] if isinstance(path, str) else list(path)
+        if not self.sources:
+            raise ValueError("no SOURCE: give at least one path")
         self._files, self.json_left_out = _resolve_sources(self.sources)
         self.files: list[str] = [f.shown for f in self._files]
         # Every chunk's kept table gets one schema so the writer can fix its schema from the first.

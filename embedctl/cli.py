@@ -234,7 +234,8 @@ def score(
     top_k: Annotated[int, typer.Option(help="Documents kept per query.")] = 10,
     reranker: Annotated[Optional[str], typer.Option(help="Cross-encoder model that rescores each query's top hits.")] = None,
     rerank_depth: Annotated[Optional[int], typer.Option(help="Hits per query the reranker rescores (default: --top-k).")] = None,
-    qrels: Annotated[Optional[str], typer.Option(help="TREC or JSONL relevance judgements: print nDCG@10, MRR@10, Recall@k.")] = None,
+    qrels: Annotated[Optional[str], typer.Option(help="TREC or JSONL relevance judgements: print nDCG@10, MRR@10, Recall@k (each query's too in --report).")] = None,
+    ignore_identical_ids: Annotated[bool, typer.Option("--ignore-identical-ids/--keep-identical-ids", help="Leave out of a query's hits the document with the query's own id, keeping --top-k hits, as BEIR does (and MTEB for ArguAna and Quora, where queries are also documents).")] = False,
     out: Annotated[Optional[str], typer.Option("--out", "-o", help="Write the run to this file (default, or '-': stdout).")] = None,
     run_format: Annotated[RunFormat, typer.Option("--format", help="jsonl rows {query_id, doc_id, rank, score}, or a TREC run.")] = RunFormat.jsonl,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing --out (at the end, atomically).")] = False,
@@ -258,7 +259,7 @@ def score(
     eager: EagerOpt = False,
     fuse: CompileOpt = True,
     tokenizer_processes: Annotated[Optional[int], typer.Option(help="Tokenize the reranker's pairs in N worker processes when there are 16 or more, 0 in this one (default: one per 2 cores when the reranker runs on a GPU and there are at least 8 cores, else 0).")] = None,
-    report: Annotated[Optional[Path], typer.Option(help="Write the summary and metrics as JSON to this file ('-': stdout, with --out FILE).")] = None,
+    report: Annotated[Optional[Path], typer.Option(help="Write the summary and metrics, each judged query's under per_query, as JSON to this file ('-': stdout, with --out FILE).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")] = False,
 ) -> None:
     """Rank documents for every query in QUERIES by the model's similarity (bi-encoder; cosine unless its
@@ -280,7 +281,7 @@ def score(
                                text_col=text_col, id_col=id_col, query_text_col=query_text_col,
                                query_id_col=query_id_col, query_prompt=query_prompt, doc_prompt=doc_prompt,
                                query_prompt_name=query_prompt_name, doc_prompt_name=doc_prompt_name,
-                               tokenizer_processes=tokenizer_processes)
+                               ignore_identical_ids=ignore_identical_ids, tokenizer_processes=tokenizer_processes)
         inputs = open_inputs(options)  # bad inputs should not wait for a model to load
         config = EngineConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                               cuda_graphs=not eager, compile=fuse, attention=attention, lanes=lanes)  # the reranker's
@@ -295,7 +296,7 @@ def score(
         if not quiet:
             typer.echo(ranking.summary(out), err=True)
         if metrics is not None:
-            if (warning := metrics.warning()) is not None:
+            for warning in metrics.warnings():
                 typer.echo(f"warning: --qrels {qrels} {warning}", err=True)
             typer.echo(metrics.summary(), err=True)
         if report is not None:

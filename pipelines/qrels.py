@@ -8,14 +8,17 @@ another name is refused rather than read as relevant. Metrics follow trec_eval's
 gains (relevance / log2(rank + 1), ideal order from the judgements), MRR@10 (reciprocal rank of the
 first relevant document in the top 10) and Recall@k (relevant documents found in the run's top k over
 all relevant ones); a document is relevant when its relevance is above 0. Averages are over the
-queries the qrels judge, as trec_eval's and pytrec_eval's: one whose judgements are all 0 scores 0 on
-each metric; queries the qrels do not name are counted, not scored. Hits of equal score are taken in trec_eval's
+queries the qrels judge, as trec_eval's and pytrec_eval's (and so BEIR's and MTEB's): one whose judgements are
+all 0 or below scores 0 on each metric; queries the qrels do not name are counted, not scored. Each judged
+query's own figures are kept too, as `trec_eval -q` prints them. Hits of equal score are taken in trec_eval's
 order (trec_order), so that a run file given to trec_eval scores as printed, when it holds ten hits a
 query: nDCG@10 and MRR@10 look ten deep whatever the run file keeps, and the summary says so when it
 keeps fewer.
 Judged documents that are not among the documents ranked are normal (judgements pool many systems'
 runs over a larger corpus): they are scored as trec_eval scores them, the relevant ones as never found,
 and counted apart so that the caller can warn, since with a wrong id column almost none are found.
+So are judged queries that rank a document of their own id that the qrels do not judge relevant: where
+queries are also documents (ArguAna, Quora), BEIR and MTEB drop that document (`--ignore-identical-ids`).
 
 It reads no runs from files and computes no statistical tests.
 """
@@ -52,6 +55,8 @@ class Metrics:
     queries_unjudged: int
     docs_missing: int  # judged documents that are not among the documents ranked
     docs_missing_examples: tuple[str, ...]  # the first few of them, sorted
+    own_ids_ranked: int  # judged queries that rank a document of their own id, which their qrels do not judge relevant
+    per_query: dict[str, tuple[float, float, float]]  # each judged query's (nDCG@10, MRR@10, Recall@k), in run order
 
     def summary(self) -> str:
         return (f"nDCG@10 {self.ndcg_at_10:.4f}, MRR@10 {self.mrr_at_10:.4f}, Recall@{self.k} {self.recall_at_k:.4f} "
@@ -60,19 +65,29 @@ class Metrics:
                 + (f"; nDCG@10 and MRR@10 look {CUTOFF} hits deep, past the {self.k} a query the run file holds"
                    if self.k < CUTOFF else ""))
 
-    def warning(self) -> str | None:
-        """What to tell the user about judged documents missing from the ranked set, if any are."""
-        if not self.docs_missing:
-            return None
-        examples = ", ".join(map(repr, self.docs_missing_examples))
-        return (f"judges {plural(self.docs_missing, 'document')} not among the documents ranked (e.g. {examples}); "
-                "scored as trec_eval does, the relevant ones as not found; if that is most of them, check the "
-                "documents and --id-col")
+    def warnings(self) -> list[str]:
+        """What to tell the user about the qrels and the run, each to follow the words `--qrels FILE`."""
+        warnings = []
+        if self.docs_missing:
+            examples = ", ".join(map(repr, self.docs_missing_examples))
+            warnings.append(f"judges {plural(self.docs_missing, 'document')} not among the documents ranked (e.g. "
+                            f"{examples}); scored as trec_eval does, the relevant ones as not found; if that is most of "
+                            "them, check the documents and --id-col")
+        if self.own_ids_ranked:
+            warnings.append(f"does not judge relevant the document of their own id that "
+                            f"{plural(self.own_ids_ranked, 'judged query ranks', 'judged queries rank')}; BEIR drops "
+                            "such a document, as MTEB does for ArguAna and Quora, where queries are also documents: "
+                            "pass --ignore-identical-ids to score as they do")
+        return warnings
 
-    def to_dict(self) -> dict[str, float | int]:
-        return {"ndcg@10": round(self.ndcg_at_10, 6), "mrr@10": round(self.mrr_at_10, 6),
-                f"recall@{self.k}": round(self.recall_at_k, 6), "queries_scored": self.queries_scored,
-                "queries_unjudged": self.queries_unjudged, "judged_docs_missing": self.docs_missing}
+    def to_dict(self) -> dict[str, object]:
+        return {**self._named(self.ndcg_at_10, self.mrr_at_10, self.recall_at_k),
+                "queries_scored": self.queries_scored, "queries_unjudged": self.queries_unjudged,
+                "judged_docs_missing": self.docs_missing, "own_ids_ranked": self.own_ids_ranked,
+                "per_query": {query_id: self._named(*figures) for query_id, figures in self.per_query.items()}}
+
+    def _named(self, ndcg: float, mrr: float, recall: float) -> dict[str, float]:
+        return {"ndcg@10": round(ndcg, 6), "mrr@10": round(mrr, 6), f"recall@{self.k}": round(recall, 6)}
 
 
 def read_qrels(path: str, query_ids: Sequence[str]) -> Qrels:
@@ -126,7 +141,8 @@ def evaluate(query_ids: Sequence[str], doc_ids: Sequence[Sequence[str]], qrels: 
     (every id ranked). Recall@k counts written[q], the hits the run file holds (by default doc_ids[q][:k]):
     where equal scores straddle rank k, trec_order may put another of them in the first k."""
     written = written if written is not None else [ranked[:k] for ranked in doc_ids]
-    ndcg, mrr, recall = [], [], []
+    per_query: dict[str, tuple[float, float, float]] = {}
+    own_ids_ranked = 0
     for query_id, ranked, kept in zip(query_ids, doc_ids, written):
         judged = qrels.get(query_id)
         if judged is None:
@@ -134,15 +150,16 @@ def evaluate(query_ids: Sequence[str], doc_ids: Sequence[Sequence[str]], qrels: 
         relevant = {doc for doc, relevance in judged.items() if relevance > 0}
         gains = [max(judged.get(doc, 0), 0) for doc in ranked[:CUTOFF]]
         ideal = sorted((relevance for relevance in judged.values() if relevance > 0), reverse=True)[:CUTOFF]
-        ndcg.append(_dcg(gains) / _dcg(ideal) if ideal else 0.0)
         first = next((rank for rank, doc in enumerate(ranked[:CUTOFF], start=1) if doc in relevant), None)
-        mrr.append(1.0 / first if first else 0.0)
-        recall.append(len(relevant.intersection(kept)) / len(relevant) if relevant else 0.0)
-    scored = len(ndcg)
+        per_query[query_id] = (_dcg(gains) / _dcg(ideal) if ideal else 0.0, 1.0 / first if first else 0.0,
+                               len(relevant.intersection(kept)) / len(relevant) if relevant else 0.0)
+        if query_id not in relevant and query_id in {*ranked[:CUTOFF], *kept}:
+            own_ids_ranked += 1
+    ndcg, mrr, recall = (_mean(figures) for figures in zip(*per_query.values())) if per_query else (0.0, 0.0, 0.0)
     missing = sorted({doc for judged in qrels.values() for doc in judged}.difference(documents))
-    return Metrics(ndcg_at_10=_mean(ndcg), mrr_at_10=_mean(mrr), recall_at_k=_mean(recall), k=k,
-                   queries_scored=scored, queries_unjudged=len(query_ids) - scored, docs_missing=len(missing),
-                   docs_missing_examples=tuple(missing[:EXAMPLES]))
+    return Metrics(ndcg_at_10=ndcg, mrr_at_10=mrr, recall_at_k=recall, k=k, queries_scored=len(per_query),
+                   queries_unjudged=len(query_ids) - len(per_query), docs_missing=len(missing),
+                   docs_missing_examples=tuple(missing[:EXAMPLES]), own_ids_ranked=own_ids_ranked, per_query=per_query)
 
 
 def _parse(path: str, number: int, line: str, beir: bool) -> tuple[str, str, int] | None:
@@ -217,5 +234,5 @@ def _dcg(gains: Sequence[int]) -> float:
     return sum(gain / math.log2(rank + 1) for rank, gain in enumerate(gains, start=1))
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)

@@ -7,7 +7,10 @@ Queries are held in memory; documents are not. Each chunk of document vectors is
 query in one matrix product on the engine's device and merged into a running top-k per query
 (RunningTopK), so a corpus of any size needs memory for one chunk and k hits per query. The top-k is
 exact, and equal scores rank in document order. The similarity is the model's, as sentence-transformers'
-similarity_fn_name names it (pipelines.similarity). A reranker (a cross-encoder engine) then rescores each
+similarity_fn_name names it (pipelines.similarity). With ignore_identical_ids a query's hits leave out the
+document of its own id, as BEIR's searches do (where queries are also documents, as in ArguAna and Quora, a
+query finds itself first): the top-k is taken one deeper and the document dropped, so k hits remain, and the
+reranker, the run file and the metrics all go without it. A reranker (a cross-encoder engine) then rescores each
 query's top hits as packed (query, document) pairs. The run is written at the end, to stdout or to a
 temporary file renamed onto --out, so no half-written run file is ever left; metrics against qrels come
 from pipelines.qrels.
@@ -108,6 +111,7 @@ class ScoreOptions:
     query_prompt_name: str | None = None  # a prompt of the model's sentence-transformers config
     doc_prompt_name: str | None = None
     chunk_rows: int = 1024
+    ignore_identical_ids: bool = False  # leave out of a query's hits the document of the query's own id
     tokenizer_processes: int | None = None  # worker processes that tokenize the reranker's pairs; None: default_pair_processes
 
     def __post_init__(self) -> None:
@@ -132,7 +136,9 @@ class Inputs:
 
 @dataclass
 class Ranking:
-    """Each query's hits, best first: doc_ids[q][r] scored scores[q, r]."""
+    """Each query's hits, best first: doc_ids[q][r] scored scores[q, r]. A query may hold one hit fewer than
+    the others (its own document dropped from a corpus no larger than the top-k): its row of scores then
+    ends in -inf past its hits."""
 
     query_ids: list[str]
     doc_ids: list[list[str]]
@@ -142,6 +148,7 @@ class Ranking:
     truncated: int = 0  # queries and documents this run embedded that were cut at the max length
     seconds: float = 0.0
     reranked: int = 0  # (query, document) pairs the reranker scored
+    own_ids_dropped: int = 0  # queries whose own document ranked and was left out (ignore_identical_ids)
     similarity: str = "cosine"  # what the bi-encoder's scores are (see similarity_of)
 
     @property
@@ -155,13 +162,14 @@ class Ranking:
     def to_dict(self) -> dict[str, int | float]:
         return {"queries": len(self.query_ids), "documents": self.documents, "top_k": int(self.scores.shape[1]),
                 "skipped_empty": self.skipped_empty, "truncated": self.truncated, "reranked_pairs": self.reranked, "similarity": self.similarity,
-                "seconds": round(self.seconds, 3)}
+                "own_ids_dropped": self.own_ids_dropped, "seconds": round(self.seconds, 3)}
 
     def summary(self, out: str | None) -> str:
         reranked = f", {plural(self.reranked, 'pair')} reranked" if self.reranked else ""
+        dropped = f", {plural(self.own_ids_dropped, 'own-id hit')} dropped" if self.own_ids_dropped else ""
         return (f"{plural(len(self.query_ids), 'query', 'queries')} x {plural(self.documents, 'document')}, top "
                 f"{self.scores.shape[1]}{reranked} in {self.seconds:.1f} s; {plural(self.skipped_empty, 'empty document')} "
-                f"skipped, {self.truncated:,} truncated -> {out or 'stdout'}")
+                f"skipped, {self.truncated:,} truncated{dropped} -> {out or 'stdout'}")
 
 
 class RunningTopK:
@@ -376,7 +384,9 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
                                                                            options.doc_prompt_name)
     query_vectors, _, truncated = _vectors(engine, tokenizer, queries.texts, query_prompt,
                                            lambda i: f"query {queries.ids[i]!r}", cosine)
-    top = RunningTopK(query_vectors, top_k or options.top_k, "dot" if cosine else similarity)
+    depth = top_k or options.top_k
+    # A query's own document is at most one of its hits (document ids are unique): one more keeps depth without it.
+    top = RunningTopK(query_vectors, depth + 1 if options.ignore_identical_ids else depth, "dot" if cosine else similarity)
     doc_ids: list[str] = []
     seen: set[str] = set()
     skipped = tokens = 0
@@ -428,10 +438,31 @@ def rank(engine: Engine, tokenizer: TextTokenizer, queries: Queries, docs: Itera
     if not doc_ids:
         source = options.docs if options.index is None else options.index
         raise UserError(f"{source} holds no documents with text; give a corpus with at least one non-empty text")
-    indices = top.indices.cpu().numpy()
-    return Ranking(query_ids=queries.ids, doc_ids=[[doc_ids[i] for i in row] for row in indices],
-                   scores=top.scores.cpu().numpy(), corpus_ids=doc_ids, skipped_empty=skipped, truncated=truncated,
-                   seconds=time.perf_counter() - started, similarity=similarity)
+    hits = [[doc_ids[i] for i in row] for row in top.indices.cpu().numpy()]
+    scores, dropped = top.scores.cpu().numpy(), 0
+    if options.ignore_identical_ids:
+        hits, scores, dropped = _without_own_ids(queries.ids, hits, scores, depth)
+    return Ranking(query_ids=queries.ids, doc_ids=hits, scores=scores, corpus_ids=doc_ids, skipped_empty=skipped,
+                   truncated=truncated, seconds=time.perf_counter() - started, own_ids_dropped=dropped,
+                   similarity=similarity)
+
+
+def _without_own_ids(query_ids: list[str], hits: list[list[str]], scores: np.ndarray,
+                     depth: int) -> tuple[list[list[str]], np.ndarray, int]:
+    """Each query's hits and scores less the document of the query's own id, cut to depth, and how many
+    queries had it among their hits."""
+    kept = [[r for r, doc_id in enumerate(row) if doc_id != query_id][:depth] for query_id, row in zip(query_ids, hits)]
+    dropped = sum(query_id in row for query_id, row in zip(query_ids, hits))
+    return ([[row[r] for r in rows] for row, rows in zip(hits, kept)],
+            _padded([row[rows] for row, rows in zip(scores, kept)]), dropped)
+
+
+def _padded(rows: list[np.ndarray]) -> np.ndarray:
+    """Queries' scores as one matrix, a shorter row padded with -inf (see Ranking)."""
+    padded = np.full((len(rows), max(map(len, rows), default=0)), -np.inf, dtype=np.float32)
+    for row, scores in zip(padded, rows):
+        row[: len(scores)] = scores
+    return padded
 
 
 def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking: Ranking, texts: dict[str, str],
@@ -463,7 +494,7 @@ def rerank(reranker: Engine, tokenizer: TextTokenizer, queries: Queries, ranking
             order = np.argsort(-mine, kind="stable")[:top_k]
             doc_ids.append([hits[i] for i in order])
             scores.append(mine[order])
-    return replace(ranking, doc_ids=doc_ids, scores=np.stack(scores),
+    return replace(ranking, doc_ids=doc_ids, scores=_padded(scores),
                    seconds=ranking.seconds + time.perf_counter() - started, reranked=pairs)
 
 

@@ -9,8 +9,10 @@ the command, the files it writes.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
+import math
 import os
 import re
 import shutil
@@ -18,6 +20,7 @@ import stat
 import subprocess
 import sys
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +34,7 @@ import torch
 import embedctl
 from embedctl.api import Embedder
 from pipelines import score
-from pipelines.qrels import evaluate, read_qrels
+from pipelines.qrels import evaluate, read_qrels, trec_order
 from pipelines.score import (Queries, Ranking, RunningTopK, ScoreOptions, open_inputs, pair_groups, pair_scores, rank,
                              rerank, run_score, write_run)
 from engine import Engine, LazyTensor, PackedBatch, UserError
@@ -312,6 +315,71 @@ def test_metrics_equal_the_values_worked_out_by_hand(tmp_path: Path, documents: 
     assert metrics.recall_at_k == pytest.approx((2 / 3 + 1 + 0) / 3)
     assert (metrics.queries_scored, metrics.queries_unjudged) == (3, 1)
     assert (metrics.docs_missing, metrics.docs_missing_examples) == (len(missing), missing)
+    # Each judged query's own figures, as trec_eval -q prints them, in the run's order; q4 has none.
+    assert list(metrics.per_query) == ["q1", "q2", "q3"]
+    assert metrics.per_query["q1"] == pytest.approx((ndcg_q1, 0.5, 2 / 3))
+    assert metrics.per_query["q2"] == (1.0, 1.0, 1.0) and metrics.per_query["q3"] == (0.0, 0.0, 0.0)
+    report = metrics.to_dict()
+    assert report["per_query"]["q1"] == {"ndcg@10": round(ndcg_q1, 6), "mrr@10": 0.5, "recall@3": round(2 / 3, 6)}
+    for name in ("ndcg@10", "mrr@10", "recall@3"):
+        assert np.mean([figures[name] for figures in report["per_query"].values()]) == pytest.approx(report[name], abs=1e-6)
+
+
+def trec_eval_order(run: dict[str, float]) -> list[str]:
+    """A query's hits as trec_eval orders them (form_res_rels.c, comp_sim_docno): higher score first, then
+    strcmp(docno2, docno1), the greater docno first."""
+    def compare(a: str, b: str) -> int:
+        if run[a] != run[b]:
+            return -1 if run[a] > run[b] else 1
+        return (a < b) - (a > b)
+
+    return sorted(run, key=functools.cmp_to_key(compare))
+
+
+def trec_eval_figures(judged: dict[str, int], run: dict[str, float], written: dict[str, float],
+                      k: int) -> tuple[float, float, float]:
+    """One query's ndcg_cut.10 and recip_rank of run's first ten hits, and recall.k of the run file `written`,
+    transcribed from trec_eval (m_ndcg_cut.c, m_recip_rank.c, m_recall.c) at its default relevance_level 1: a
+    hit's gain is its judged relevance where above 0, the ideal comes from the count of judged documents at
+    each relevance level, and a query without a relevant document scores 0."""
+    ranked = trec_eval_order(run)[:10]
+    dcg = sum(judged[doc] / math.log2(rank + 2) for rank, doc in enumerate(ranked) if judged.get(doc, 0) > 0)
+    levels = Counter(relevance for relevance in judged.values() if relevance > 0)
+    ideal = [level for level in sorted(levels, reverse=True) for _ in range(levels[level])][:10]
+    ideal_dcg = sum(gain / math.log2(rank + 2) for rank, gain in enumerate(ideal))
+    recip_rank = next((1 / (rank + 1) for rank, doc in enumerate(ranked) if judged.get(doc, 0) >= 1), 0.0)
+    relevant = sum(relevance >= 1 for relevance in judged.values())
+    found = sum(judged.get(doc, 0) >= 1 for doc in trec_eval_order(written)[:k])
+    return dcg / ideal_dcg if ideal_dcg else 0.0, recip_rank, found / relevant if relevant else 0.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_metrics_equal_trec_evals_per_query_and_averaged_over_the_queries_it_evaluates(seed: int) -> None:
+    """Against trec_eval's measures, as pytrec_eval (and so BEIR and MTEB) computes them: graded and negative
+    judgements, queries judged without a relevant document (evaluated, 0) or not judged (not evaluated),
+    relevant documents the run cannot find, and many equal scores, with ids whose string order is not their
+    numeric order. As in run_score: hits in document order, ten deep; the run file holds the first k."""
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        documents = [f"d{i}" for i in range(rng.integers(1, 30))]
+        k = int(rng.integers(1, 15))
+        query_ids = [f"q{i}" for i in range(rng.integers(1, 8))]
+        qrels = {query_id: {str(doc): int(rng.choice([-1, 0, 0, 1, 2, 3]))
+                            for doc in rng.choice(documents + ["gone1", "gone2"], rng.integers(1, 8))}
+                 for query_id in query_ids if rng.random() < 0.8}
+        hits = [list(rng.permutation(documents)[:max(k, 10)]) for _ in query_ids]
+        scores = [sorted(rng.choice([0.25, 0.5, 0.75, 1.0], len(row)), reverse=True) for row in hits]
+        metrics = evaluate(query_ids, [trec_order(row, row_scores) for row, row_scores in zip(hits, scores)], qrels, k,
+                           documents, written=[row[:k] for row in hits])
+        expected = {query_id: trec_eval_figures(qrels[query_id], dict(zip(row, row_scores)),
+                                                dict(zip(row[:k], row_scores[:k])), k)
+                    for query_id, row, row_scores in zip(query_ids, hits, scores) if query_id in qrels}
+        assert metrics.per_query.keys() == expected.keys()
+        for query_id, figures in expected.items():
+            assert metrics.per_query[query_id] == pytest.approx(figures, abs=1e-12), query_id
+        means = np.mean(list(expected.values()), axis=0) if expected else np.zeros(3)
+        assert (metrics.ndcg_at_10, metrics.mrr_at_10, metrics.recall_at_k) == pytest.approx(tuple(means), abs=1e-12)
+        assert (metrics.queries_scored, metrics.queries_unjudged) == (len(expected), len(query_ids) - len(expected))
 
 
 def test_equal_scores_are_judged_in_trec_evals_order(model: Embedder, tmp_path: Path) -> None:
@@ -447,6 +515,90 @@ def test_sample_qrels_score_the_sample_ranking(sample_ranking: tuple[Queries, Ra
     first = [1.0 / (hits.index(wanted[q]) + 1) if wanted[q] in hits else 0.0 for q, hits in zip(ranking.query_ids, ranking.doc_ids)]
     assert metrics.mrr_at_10 == pytest.approx(np.mean(first))
     assert metrics.recall_at_k == pytest.approx(np.mean([wanted[q] in hits for q, hits in zip(ranking.query_ids, ranking.doc_ids)]))
+
+
+# Queries that are also documents (ArguAna, Quora)
+
+# Three arguments, each a query and a document, whose counter-arguments the qrels judge relevant; q9 is a query only.
+ARGUMENTS = {"a1": "The cat sat on the warm windowsill all afternoon.",
+             "a2": "Stock markets fell sharply after the bank raised interest rates.",
+             "a3": "The recipe calls for two cups of flour and a pinch of salt.",
+             "a4": "A kitten napped in the sunshine by the window.",
+             "a5": "Investors sold shares as borrowing costs climbed.",
+             "a6": "Bake the dough for twenty minutes until golden."}
+ARGUMENT_QRELS = {"a1": "a4", "a2": "a5", "a3": "a6", "q9": "a6"}
+
+
+def _arguments(tmp: Path) -> None:
+    write_jsonl(tmp / "corpus.jsonl", [{"id": doc_id, "text": text} for doc_id, text in ARGUMENTS.items()])
+    write_jsonl(tmp / "queries.jsonl", [{"id": doc_id, "text": ARGUMENTS[doc_id]} for doc_id in ("a1", "a2", "a3")]
+                + [{"id": "q9", "text": "How long should bread bake?"}])
+    (tmp / "qrels.txt").write_text("".join(f"{query} 0 {doc} 1\n" for query, doc in ARGUMENT_QRELS.items()))
+
+
+def _arguments_ranked(model: Embedder, query_ids: list[str], ignore_identical_ids: bool) -> list[list[str]]:
+    """Every document for each query, best first, by numpy over the Python API's vectors; without the
+    query's own document if ignore_identical_ids."""
+    query_texts = [ARGUMENTS.get(query_id, "How long should bread bake?") for query_id in query_ids]
+    scores = model.embed(query_texts) @ model.embed(list(ARGUMENTS.values())).T
+    order = np.argsort(-scores, axis=1, kind="stable")
+    return [[doc_id for doc_id in np.array(list(ARGUMENTS))[row] if not (ignore_identical_ids and doc_id == query_id)]
+            for query_id, row in zip(query_ids, order)]
+
+
+@pytest.mark.parametrize("ignore_identical_ids", [False, True], ids=["kept", "ignored"])
+def test_a_query_s_own_document_is_left_out_when_asked_and_k_hits_remain(model: Embedder, tmp_path: Path,
+                                                                          ignore_identical_ids: bool) -> None:
+    _arguments(tmp_path)
+    options = ScoreOptions(queries=str(tmp_path / "queries.jsonl"), docs=str(tmp_path / "corpus.jsonl"), top_k=3,
+                           qrels=str(tmp_path / "qrels.txt"), ignore_identical_ids=ignore_identical_ids)
+    ranking, metrics = run_score(model.engine, model.tokenizer, open_inputs(options), options)
+    expected = _arguments_ranked(model, ranking.query_ids, ignore_identical_ids)
+    assert ranking.doc_ids == [hits[:3] for hits in expected]
+    assert ranking.scores.shape == (4, 3) and np.isfinite(ranking.scores).all()
+    if not ignore_identical_ids:  # an argument finds itself first, as in ArguAna
+        assert [hits[0] for hits in ranking.doc_ids[:3]] == ["a1", "a2", "a3"]
+    # Each query's figures from the rank of its one relevant document in the oracle's order.
+    ranks = {query_id: hits.index(ARGUMENT_QRELS[query_id]) + 1 for query_id, hits in zip(ranking.query_ids, expected)}
+    for query_id, rank_ in ranks.items():
+        wanted = (1 / np.log2(rank_ + 1) if rank_ <= 10 else 0.0, 1 / rank_ if rank_ <= 10 else 0.0, float(rank_ <= 3))
+        assert metrics.per_query[query_id] == pytest.approx(wanted), query_id
+    assert ranking.own_ids_dropped == (3 if ignore_identical_ids else 0)
+    assert metrics.own_ids_ranked == (0 if ignore_identical_ids else 3)
+    warnings = [warning for warning in metrics.warnings() if "own id" in warning]
+    assert len(warnings) == (0 if ignore_identical_ids else 1)
+    assert all("3 judged queries rank" in warning and "pass --ignore-identical-ids" in warning for warning in warnings)
+
+
+def test_an_own_document_judged_relevant_is_no_cause_for_a_warning(model: Embedder, tmp_path: Path) -> None:
+    _arguments(tmp_path)
+    (tmp_path / "qrels.txt").write_text("a1 0 a1 1\n")  # a query meant to find itself (a known-item search)
+    options = ScoreOptions(queries=str(tmp_path / "queries.jsonl"), docs=str(tmp_path / "corpus.jsonl"),
+                           qrels=str(tmp_path / "qrels.txt"))
+    _, metrics = run_score(model.engine, model.tokenizer, open_inputs(options), options)
+    assert metrics.per_query == {"a1": (1.0, 1.0, 1.0)} and metrics.own_ids_ranked == 0 and metrics.warnings() == []
+
+
+def test_a_query_without_its_own_document_in_a_small_corpus_holds_one_hit_fewer(
+        model: Embedder, cross_encoder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Six documents and --top-k 10: the arguments keep the other five, q9 all six, through the reranker too."""
+    _arguments(tmp_path)
+    reranker = embedctl.load(str(cross_encoder), device="cpu")
+    options = ScoreOptions(queries=str(tmp_path / "queries.jsonl"), docs=str(tmp_path / "corpus.jsonl"),
+                           qrels=str(tmp_path / "qrels.txt"), ignore_identical_ids=True)
+    inputs = open_inputs(options)
+    first = rank(model.engine, model.tokenizer, inputs.queries, inputs.docs, options)
+    assert first.doc_ids == _arguments_ranked(model, first.query_ids, ignore_identical_ids=True)
+    assert [len(hits) for hits in first.doc_ids] == [5, 5, 5, 6] and first.scores.shape == (4, 6)
+    assert np.isneginf(first.scores[:3, 5]).all() and np.isfinite(first.scores[3]).all()
+    ranking, metrics = run_score(model.engine, model.tokenizer, inputs, options,
+                                 reranker=(reranker.engine, reranker.tokenizer))
+    assert [sorted(hits) for hits in ranking.doc_ids] == [sorted(hits) for hits in first.doc_ids]
+    assert ranking.reranked == 5 + 5 + 5 + 6 and metrics.queries_scored == 4
+    write_run(ranking, options)
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["query_id"] for row in rows] == ["a1"] * 5 + ["a2"] * 5 + ["a3"] * 5 + ["q9"] * 6
+    assert all(row["query_id"] != row["doc_id"] and np.isfinite(row["score"]) for row in rows)
 
 
 # The cross-encoder reranker
@@ -595,9 +747,9 @@ def test_the_rerank_bar_moves_as_each_query_is_scored(cross_encoder: Path) -> No
 
 def test_the_summary_counts_one_query_document_and_pair_in_the_singular() -> None:
     one = Ranking(query_ids=["q1"], doc_ids=[["a"]], scores=np.ones((1, 1), np.float32), corpus_ids=["a"],
-                  skipped_empty=1, truncated=1, reranked=1)
+                  skipped_empty=1, truncated=1, reranked=1, own_ids_dropped=1)
     assert one.summary(None) == ("1 query x 1 document, top 1, 1 pair reranked in 0.0 s; 1 empty document skipped, "
-                                 "1 truncated -> stdout")
+                                 "1 truncated, 1 own-id hit dropped -> stdout")
     many = Ranking(query_ids=[f"q{i}" for i in range(1200)], doc_ids=[["a"] for _ in range(1200)],
                    scores=np.ones((1200, 1), np.float32), corpus_ids=["a", "b"], reranked=2400)
     assert many.summary("run.jsonl") == ("1,200 queries x 2 documents, top 1, 2,400 pairs reranked in 0.0 s; "
@@ -1116,6 +1268,18 @@ def test_reranked_run_with_metrics_and_report(cli_runs: dict) -> None:
     hits = {q: [r["doc_id"] for r in rows if r["query_id"] == q] for q in wanted}
     assert report["metrics"]["recall@10"] == pytest.approx(np.mean([wanted[q] in hits[q] for q in wanted]), abs=1e-6)
     assert f"Recall@10 {report['metrics']['recall@10']:.4f}" in result.stderr and "nDCG@10" in result.stderr
+    # Each query's figures, from its one relevant document's rank in the run file (ten hits a query) as trec_eval
+    # reads it, equal scores (the random reranker gives some) by doc id from the last; their means are the
+    # reported ones. The terminal shows the means only.
+    per_query = report["metrics"]["per_query"]
+    assert list(per_query) == list(wanted) and "per_query" not in result.stderr
+    for q, figures in per_query.items():
+        ranked = trec_eval_order({r["doc_id"]: r["score"] for r in rows if r["query_id"] == q})
+        rank_ = ranked.index(wanted[q]) + 1 if wanted[q] in ranked else None
+        assert figures == pytest.approx({"ndcg@10": 1 / np.log2(rank_ + 1) if rank_ else 0.0,
+                                         "mrr@10": 1 / rank_ if rank_ else 0.0, "recall@10": float(bool(rank_))}, abs=1e-6)
+    for name in ("ndcg@10", "mrr@10", "recall@10"):
+        assert np.mean([figures[name] for figures in per_query.values()]) == pytest.approx(report["metrics"][name], abs=1e-6)
 
 
 def test_a_terminal_sees_a_bar_per_phase_unless_quiet(tmp_path: Path, cross_encoder: Path) -> None:
@@ -1165,6 +1329,30 @@ def test_judged_documents_outside_the_ranked_set_warn_in_one_line_and_score_as_t
     assert metrics["mrr@10"] == pytest.approx(1 / rank_a0, abs=1e-6)
     assert metrics["recall@10"] == pytest.approx(1 / 3, abs=1e-6)
     assert metrics["judged_docs_missing"] == 3
+
+
+def test_the_command_leaves_out_own_ids_when_asked_and_warns_when_they_count_against_the_run(tmp_path: Path) -> None:
+    _arguments(tmp_path)
+    common = ["queries.jsonl", "corpus.jsonl", "--qrels", "qrels.txt", "--top-k", "3"]
+    with ThreadPoolExecutor(2) as pool:
+        kept, dropped = pool.map(lambda args: embedctl_score(*common, *args, cwd=tmp_path),
+                                 [["--out", "kept.jsonl", "--report", "kept.json"],
+                                  ["--ignore-identical-ids", "--out", "dropped.jsonl", "--report", "dropped.json"]])
+    assert (kept.returncode, dropped.returncode) == (0, 0), kept.stderr + dropped.stderr
+    runs = {name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+            for name in ("kept", "dropped")}
+    assert [row["doc_id"] for row in runs["kept"] if row["rank"] == 1][:3] == ["a1", "a2", "a3"]
+    [warning] = [line for line in kept.stderr.splitlines() if line.startswith("warning: ")]
+    assert warning.startswith("warning: --qrels qrels.txt does not judge relevant the document of their own id that 3 "
+                              "judged queries rank;") and warning.endswith("pass --ignore-identical-ids to score as they do")
+    assert "warning" not in dropped.stderr and "3 own-id hits dropped -> dropped.jsonl" in dropped.stderr
+    assert len(runs["dropped"]) == 4 * 3 and all(row["query_id"] != row["doc_id"] for row in runs["dropped"])
+    report = json.loads((tmp_path / "dropped.json").read_text())
+    assert report["own_ids_dropped"] == 3 and report["metrics"]["own_ids_ranked"] == 0
+    found = {q: any(row["query_id"] == q and row["doc_id"] == doc for row in runs["dropped"])
+             for q, doc in ARGUMENT_QRELS.items()}
+    recall = {q: figures["recall@3"] for q, figures in report["metrics"]["per_query"].items()}
+    assert recall == {q: float(was_found) for q, was_found in found.items()}
 
 
 def test_trec_run_file(cli_runs: dict, sample_ranking: tuple[Queries, Ranking]) -> None:

@@ -159,7 +159,7 @@ class Ranking:
         """The same ranking cut to each query's first k hits."""
         return replace(self, doc_ids=[hits[:k] for hits in self.doc_ids], scores=self.scores[:, :k])
 
-    def to_dict(self) -> dict[str, int | float]:
+    def to_dict(self) -> dict[str, int | float | str]:
         return {"queries": len(self.query_ids), "documents": self.documents, "top_k": int(self.scores.shape[1]),
                 "skipped_empty": self.skipped_empty, "truncated": self.truncated, "reranked_pairs": self.reranked, "similarity": self.similarity,
                 "own_ids_dropped": self.own_ids_dropped, "seconds": round(self.seconds, 3)}

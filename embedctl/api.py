@@ -14,7 +14,7 @@ import dataclasses
 import difflib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set as AbstractSet
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,11 +26,12 @@ from pipelines.tokenize import TextTokenizer, resolve_prompt
 if TYPE_CHECKING:  # importing embedctl (as its command line does) must not import torch
     from engine import Engine
 
-# The engine's options as its messages name them on the command line, and a value given after one (quoted,
-# a number, or one of the names that device, dtype and attention take).
-_CLI_OPTION = re.compile(r"--(attention|device|dim|dtype|lanes|max-batch-tokens|max-length|max-seqs|normalize|model)\b"
-                         r"(?: ('[^']*'|\d+\b|(?:cpu|cuda(?::\d+)?|auto|sdpa|varlen|flashinfer|triton|bf16|fp16|fp32|"
-                         r"b?float(?:16|32))\b))?")
+# The engine's options as its messages name them on the command line, and a value given after one: --device is
+# always followed by its value, whatever it is (cuda:0,cuda:1, gpu); the others by one quoted, a number, or one of
+# the names that dtype and attention take, else by the message's next words.
+_CLI_OPTION = re.compile(r"--(?:(device) ('[^']*'|\S+?)(?=[:;,]?(?:\s|$))"
+                         r"|(attention|dim|dtype|lanes|max-batch-tokens|max-length|max-seqs|normalize|model)\b"
+                         r"(?: ('[^']*'|\d+\b|(?:auto|sdpa|varlen|flashinfer|triton|bf16|fp16|fp32|b?float(?:16|32))\b))?)")
 
 
 _LONE_SURROGATE = ("holds a lone surrogate (a \\ud800-\\udfff code point, as an unpaired JSON escape decodes to), "
@@ -47,23 +48,24 @@ class Embedder:
     def dim(self) -> int:
         return self.engine.dim
 
-    def embed(self, texts: Sequence[str], prompt: str | None = None, prompt_name: str | None = None) -> np.ndarray:
+    def embed(self, texts: Sequence[str], *, prompt: str | None = None, prompt_name: str | None = None) -> np.ndarray:
         """float32 [len(texts), dim] (int8 for a model whose vectors are int8), in order; texts longer than the max
         length are truncated. Threads may call it at once (their calls run one after another).
 
         As sentence-transformers' encode(): `prompt`, or the model's prompt named `prompt_name`, or its default
-        prompt (default_prompt_name) goes before every text. embed_query and embed_document put the prompt
+        prompt (default_prompt_name) goes before every text. Both are keyword-only: encode()'s second positional
+        argument is prompt_name, so embed(texts, "query") would otherwise put the word "query" before every text. embed_query and embed_document put the prompt
         first that `embedctl score` puts before queries and `embedctl index` before documents."""
         return self._embed(texts, self._prompt(None, prompt, prompt_name))
 
-    def embed_query(self, texts: Sequence[str], prompt: str | None = None,
+    def embed_query(self, texts: Sequence[str], *, prompt: str | None = None,
                     prompt_name: str | None = None) -> np.ndarray:
         """embed() with the prompt `embedctl score` puts before queries: the model's query prompt, else none (as
         sentence-transformers' encode_query, which since v6 never falls back to the default prompt); `prompt` or
         `prompt_name` instead, as --query-prompt and --query-prompt-name give it there."""
         return self._embed(texts, self._prompt("query", prompt, prompt_name))
 
-    def embed_document(self, texts: Sequence[str], prompt: str | None = None,
+    def embed_document(self, texts: Sequence[str], *, prompt: str | None = None,
                        prompt_name: str | None = None) -> np.ndarray:
         """embed() with the prompt `embedctl index` puts before documents: the model's document prompt, else its
         passage or corpus prompt, else none; `prompt` or `prompt_name` instead, as --doc-prompt and
@@ -88,6 +90,10 @@ class Embedder:
             raise TypeError("embed() takes a list of texts; wrap a single text in a list")
         if isinstance(texts, (bytes, bytearray)):
             raise TypeError("embed() takes a list of texts, not bytes; decode them and wrap the text in a list")
+        if isinstance(texts, (AbstractSet, Mapping)):  # no order to match the rows to; a dict would give its keys'
+            fix = "list(d.values()) for its texts" if isinstance(texts, Mapping) else "sorted(s) for an order you know"
+            raise TypeError(f"embed() takes a list of texts, not a {type(texts).__name__}, whose order the rows could "
+                            f"not be matched to; pass a list, e.g. {fix}")
         try:
             texts = list(texts)
         except TypeError:
@@ -122,7 +128,7 @@ def load(model: str | os.PathLike[str] | None = None, **options: object) -> Embe
 
 def _as_argument(match: re.Match) -> str:
     """--device cpu as device='cpu', --dim 256 as dim=256, a bare --normalize as normalize=True."""
-    name, value = match.group(1).replace("-", "_"), match.group(2)
+    name, value = (match.group(1) or match.group(3)).replace("-", "_"), match.group(2) or match.group(4)
     if value is None:
         return {"normalize": "normalize=True", "model": "load()'s model argument"}.get(name, name)
     if value.startswith("'") or re.fullmatch(r"\d+", value):

@@ -712,6 +712,14 @@ def test_the_python_api_names_a_text_that_is_not_a_string(model: embedctl.Embedd
         with pytest.raises(TypeError, match=rf"texts\[1\] is {kind}, not a string; embed\(\) takes a list of texts"):
             model.embed_query(["fine", bad])
     assert model.embed(text for text in ["a", "b"]).shape == (2, 384)  # any iterable of texts
+    # but one whose order the rows could not be matched to
+    with pytest.raises(TypeError, match=r"not a set, whose order the rows could not be matched to; .* sorted\(s\)"):
+        model.embed({"a", "b"})
+    with pytest.raises(TypeError, match=r"not a dict, .* list\(d.values\(\)\) for its texts"):
+        model.embed({"a": "the text"})
+    # prompts by keyword only: sentence-transformers' encode(texts, "query") means prompt_name, not a prompt's text
+    with pytest.raises(TypeError, match="positional"):
+        model.embed_query(["a"], "query")
 
 
 @pytest.mark.parametrize("indexed", ["x.lance"], indirect=True)

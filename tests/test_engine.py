@@ -395,6 +395,9 @@ def test_python_options_of_the_wrong_type_are_refused_at_load(options: dict, mes
     ({"device": "cpu", "max_batch_tokens": 16}, "max_batch_tokens=16 is smaller than the max length 256; raise it or "
                                                 "lower max_length"),
     ({"device": "cpu", "lanes": 0}, "^lanes must be at least 1, not 0"),
+    # a device list (index's --device cuda:0,cuda:1) or a name torch does not know, quoted whole
+    ({"device": "cuda:0,cuda:1"}, "^device='cuda:0,cuda:1' is not a device embedctl runs on; use cpu, cuda or cuda:N"),
+    ({"device": "gpu"}, "^device='gpu' is not a device embedctl runs on"),
 ])
 def test_load_names_the_fix_as_its_own_arguments_not_as_command_line_flags(options: dict, message: str) -> None:
     with pytest.raises(embedctl.UserError, match=message) as error:

@@ -539,21 +539,22 @@ class _LanceStore:
                 old = self._open(self._name)
                 self.dropped_indexes = [f"{index.name}: {index.index_type} on {', '.join(index.columns)}"
                                         for index in (old.list_indices() if old is not None else [])]
-                self._replace()
+                self._replace(create=old is None)
         if self._may_optimize:
             self._tidy()
         return len(self.replaced - source.keys()) if replace else len(gone)
 
-    def _replace(self) -> None:
-        """The table NAME replaced by the staged one in one commit, in fragments of COMPACT_TARGET_ROWS rows as a
-        build's commits make them (LanceDB's overwrite writes one per million rows, which its flat search scans
-        several times slower), and the stage dropped."""
+    def _replace(self, create: bool) -> None:
+        """The table NAME replaced by the staged one in one commit (with create, made from it: an overwrite of no
+        table logs a warning of Lance's own on stderr), in fragments of COMPACT_TARGET_ROWS rows as a build's
+        commits make them (LanceDB's overwrite writes one per million rows, which its flat search scans several
+        times slower), and the stage dropped."""
         import lance
 
         stage = self._table.to_lance()
         uri = posixpath.join(posixpath.dirname(stage.uri.rstrip("/")), f"{self._name}.lance")  # beside the stage
-        lance.write_dataset(stage.scanner().to_reader(), uri, schema=self._schema, mode="overwrite",
-                            max_rows_per_file=COMPACT_TARGET_ROWS)
+        lance.write_dataset(stage.scanner().to_reader(), uri, schema=self._schema,
+                            mode="create" if create else "overwrite", max_rows_per_file=COMPACT_TARGET_ROWS)
         self._db.drop_table(self._target)
         self._table = self._open(self._name)
 

@@ -774,6 +774,15 @@ def test_rebuild_replaces(existing: Path) -> None:
     assert lance_ids(existing) == ["n1", "n2"]
 
 
+def test_a_first_build_with_rebuild_prints_the_summary_alone(tmp_path: Path) -> None:
+    """A cron line with --rebuild from its first run on: no log line of Lance's own (an overwrite of no table
+    warns on stderr) above the summary."""
+    write_jsonl(tmp_path / "docs.jsonl", good_rows("a"))
+    result = embedctl_index("docs.jsonl", "--out", "new.lance", "--rebuild", cwd=tmp_path)
+    assert result.returncode == 0 and result.stderr.splitlines()[0].startswith("2 rows: 2 added"), result.stderr
+    assert len(result.stderr.splitlines()) == 1
+
+
 def test_another_source_into_the_same_output_adds_its_rows(existing: Path) -> None:
     old = lance_ids(existing)
     result = embedctl_index("extra.jsonl", "--out", "x.lance", "--keep", "source", "-q", cwd=existing)

@@ -28,7 +28,7 @@ from engine.checkpoint import resolve_model
 from pipelines.index import IndexModel, IndexOptions, IndexReport, lock_output, open_corpus, run_index
 from pipelines.lock import OutputLocked
 from pipelines.readers import glob_base, glob_reads, is_glob
-from pipelines.writers import commits_in_groups
+from pipelines.writers import commits_in_groups, output_exists
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -186,6 +186,7 @@ def index(
 
         index_model = IndexModel(spec, load_engines, on_gpu=lambda: config.torch_device().type == "cuda")
         keeps_commits = commits_in_groups(out, table)  # what a Ctrl-C leaves: committed groups, or the output as it was
+        existed = keeps_commits or output_exists(out)
         so_far = IndexReport(output=out, model=spec.files.name)
         try:
             with lock_output(options):  # taken before the model loads: a refused run returns at once
@@ -197,7 +198,7 @@ def index(
             raise typer.Exit(EXIT_LOCKED) from None
         except KeyboardInterrupt as stop:  # committed groups stay: they are what the next run resumes from
             after = (f"the same command resumes from the last commit to {out}" if keeps_commits
-                     else f"{out} is as it was before this run")
+                     else f"{out} is as it was before this run" if existed else f"{out} was not written")
             _interrupted(stop, after, report, {"rows_read": so_far.rows_read, "rows_committed": so_far.rows_committed})
         if not quiet:
             typer.echo(result.summary(), err=True)

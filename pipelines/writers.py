@@ -273,6 +273,12 @@ def commits_in_groups(out: str, table: str | None = None) -> bool:
     return lance_table(out, table) is not None or _locate(out)[2]
 
 
+def output_exists(out: str) -> bool:
+    """Whether a Parquet output (one file, or a directory of parts) is there already. UserError as check_output."""
+    fs, path, _ = _locate(out)
+    return fs.exists(path)
+
+
 def lock_file(out: str, table: str | None = None) -> str | None:
     """The local file that guards out against a second run (beside it, hidden), or None for a remote out."""
     if "://" in out and not out.startswith("file://"):

@@ -863,10 +863,10 @@ def test_a_stopped_run_exits_with_its_code_says_so_in_the_report_and_leaves_noth
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == code, stderr
     assert "Traceback" not in stderr + stdout
-    assert stderr.splitlines() == [f"{word}; x.parquet is as it was before this run"]
+    assert stderr.splitlines() == [f"{word}; x.parquet was not written"]  # it was not there before
     after = snapshot(tmp_path)
     written = json.loads(after.pop("r.json"))
-    assert written == {"error": f"{word}; x.parquet is as it was before this run", "rows_read": written["rows_read"],
+    assert written == {"error": f"{word}; x.parquet was not written", "rows_read": written["rows_read"],
                        "rows_committed": 0}  # one Parquet file is written whole at the end
     assert 0 < written["rows_read"] <= 3000
     before.pop("r.json")

@@ -1048,8 +1048,22 @@ def _refuse_foreign(shown: str, old: pa.Schema) -> None:
 
 
 def _check_compatible(shown: str, old: pa.Schema, new: pa.Schema) -> None:
-    if (why := _incompatibility(old, new)) is not None:
-        raise UserError(f"cannot update {shown}: {why}; pass --rebuild to re-embed it all, or write to a new output")
+    if (why := _incompatibility(old, new)) is None:
+        return
+    # Settings first (_incompatibility's order); then kept columns that differ by name, most often a cron line that
+    # lacks the --keep of the command that built the output, whose fix is that flag rather than a rebuild.
+    stored_only = [name for name in old.names if name not in new.names]
+    run_only = [name for name in new.names if name not in old.names]
+    if why.startswith("its columns are") and (stored_only or run_only):
+        flags = [f"{verb} {' '.join(f'--keep {name}' for name in names)}"
+                 for verb, names in (("add", stored_only), ("drop", run_only)) if names]
+        fixes = [f"{' and '.join(flags)} to match it", "pass --rebuild to re-embed it all with this run's columns",
+                 "write to a new output"]
+        held = (f"it keeps the column{'s' * (len(stored_only) > 1)} {', '.join(stored_only)}, which this run does not"
+                if stored_only else "")
+        lacked = f"this run keeps {', '.join(run_only)}, which it lacks" if run_only else ""
+        raise UserError(f"cannot update {shown}: {'; '.join(filter(None, (held, lacked)))}; {', or '.join(fixes)}")
+    raise UserError(f"cannot update {shown}: {why}; pass --rebuild to re-embed it all, or write to a new output")
 
 
 def _embedctl_metadata(schema: pa.Schema) -> dict[str, str]:

@@ -147,8 +147,16 @@ def test_other_settings_or_columns_are_refused_and_leave_the_output_byte_identic
         open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.pooling": "cls"}))
     with pytest.raises(UserError, match="dim 4 and this run's dim is 8"):
         open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.dim": "8"}, dim=8))
-    with pytest.raises(UserError, match="its columns are .* but this run writes"):
+    # kept columns by name: the --keep flags that match the output (a cron line that lacks the build's --keep)
+    with pytest.raises(UserError, match=r"it keeps the column lang, which this run does not; add --keep lang to match "
+                                        r"it, or pass --rebuild to re-embed it all with this run's columns"):
         open_store(**spec(tmp_path, kind), schema=schema(kept=None))
+    with pytest.raises(UserError, match=r"it keeps the column lang, which this run does not; this run keeps tag, which "
+                                        r"it lacks; add --keep lang and drop --keep tag to match it"):
+        open_store(**spec(tmp_path, kind), schema=schema(kept=pa.schema([("tag", pa.string())])))
+    # the same names in other types: the columns as they are and as this run writes them
+    with pytest.raises(UserError, match="its columns are .* but this run writes"):
+        open_store(**spec(tmp_path, kind), schema=schema(kept=pa.schema([("lang", pa.int64())])))
     # the model's spelling is not compared: the same weights under another name
     open_store(**spec(tmp_path, kind), schema=schema(META | {"embedctl.model": "/models/the-same-files"})).abort()
     assert snapshot(tmp_path) == before

@@ -48,24 +48,27 @@ class Embedder:
     def dim(self) -> int:
         return self.engine.dim
 
-    def embed(self, texts: Sequence[str], *, prompt: str | None = None, prompt_name: str | None = None) -> np.ndarray:
-        """float32 [len(texts), dim] (int8 for a model whose vectors are int8), in order; texts longer than the max
-        length are truncated. Threads may call it at once (their calls run one after another).
+    def embed(self, texts: str | Sequence[str], *, prompt: str | None = None,
+              prompt_name: str | None = None) -> np.ndarray:
+        """float32 [len(texts), dim] (int8 for a model whose vectors are int8), in order, or for one text (a str) its
+        vector [dim], as sentence-transformers' encode() gives them; texts longer than the max length are
+        truncated. Threads may call it at once (their calls run one after another).
 
-        As sentence-transformers' encode(): `prompt`, or the model's prompt named `prompt_name`, or its default
-        prompt (default_prompt_name) goes before every text. Both are keyword-only: encode()'s second positional
-        argument is prompt_name, so embed(texts, "query") would otherwise put the word "query" before every text. embed_query and embed_document put the prompt
-        first that `embedctl score` puts before queries and `embedctl index` before documents."""
+        As encode(): `prompt`, or the model's prompt named `prompt_name`, or its default prompt (default_prompt_name)
+        goes before every text. Both are keyword-only: encode()'s second positional argument is prompt_name, so
+        embed(texts, "query") would otherwise put the word "query" before every text. embed_query and
+        embed_document put the prompt first that `embedctl score` puts before queries and `embedctl index` before
+        documents."""
         return self._embed(texts, self._prompt(None, prompt, prompt_name))
 
-    def embed_query(self, texts: Sequence[str], *, prompt: str | None = None,
+    def embed_query(self, texts: str | Sequence[str], *, prompt: str | None = None,
                     prompt_name: str | None = None) -> np.ndarray:
         """embed() with the prompt `embedctl score` puts before queries: the model's query prompt, else none (as
         sentence-transformers' encode_query, which since v6 never falls back to the default prompt); `prompt` or
         `prompt_name` instead, as --query-prompt and --query-prompt-name give it there."""
         return self._embed(texts, self._prompt("query", prompt, prompt_name))
 
-    def embed_document(self, texts: Sequence[str], *, prompt: str | None = None,
+    def embed_document(self, texts: str | Sequence[str], *, prompt: str | None = None,
                        prompt_name: str | None = None) -> np.ndarray:
         """embed() with the prompt `embedctl index` puts before documents: the model's document prompt, else its
         passage or corpus prompt, else none; `prompt` or `prompt_name` instead, as --doc-prompt and
@@ -81,13 +84,13 @@ class Embedder:
             raise UserError(f"the prompt {_LONE_SURROGATE}")
         return resolve_prompt(self.engine.files, role, prompt, prompt_name)
 
-    def _embed(self, texts: Sequence[str], prompt: str) -> np.ndarray:
+    def _embed(self, texts: str | Sequence[str], prompt: str) -> np.ndarray:
         if self.engine.num_labels:  # its engine and tokenizer still serve pipelines.score's rerank()
             raise UserError(f"{self.engine.files.name} is a cross-encoder: it scores query-document pairs and has no "
                             "vectors to embed; load an embedding model, and rerank with this one through `embedctl "
                             "score --reranker` or serve's /rerank")
         if isinstance(texts, str):
-            raise TypeError("embed() takes a list of texts; wrap a single text in a list")
+            return self._embed([texts], prompt)[0]
         if isinstance(texts, (bytes, bytearray)):
             raise TypeError("embed() takes a list of texts, not bytes; decode them and wrap the text in a list")
         if isinstance(texts, (AbstractSet, Mapping)):  # no order to match the rows to; a dict would give its keys'

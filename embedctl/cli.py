@@ -86,7 +86,14 @@ def _commands(
 
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory or hub id (default: all-MiniLM-L6-v2, offline).")]
-DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda when present).")]
+def _one_device(device: str | None) -> str | None:
+    if device is not None and "," in device:
+        raise typer.BadParameter(f"{device} lists several devices; this command runs on one (cpu, cuda or cuda:N): "
+                                 "only index spreads its work over several GPUs")
+    return device
+
+
+DeviceOpt = Annotated[Optional[str], typer.Option(callback=_one_device, help="cpu, cuda or cuda:N (default: cuda when present).")]
 IndexDeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda or cuda:N, or several GPUs as cuda:0,cuda:1, each running a copy of the model (default: cuda when present).")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU).")]
 # The engine's options, the same for every command that loads a model.
@@ -148,7 +155,7 @@ def index(
     them all would read them: ids made for files without an id column (FILE:ROW) and key=value folders are named
     below the folder common to them.
 
-    Exit codes: 0 done; 2 a problem with the input or the options (one line on stderr); 75 another run holds --out; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
+    Exit codes: 0 done; 2 a problem with the input, the options or the existing output (one line on stderr); 75 another run holds --out; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
     """
     sources = [_home(source) for source in sources]
     out, model, report = _output_path(_home(out)), _home(model), _home(report)
@@ -324,7 +331,7 @@ def serve(
     # One lane: every extra lane captures its own graph of each shape while requests wait, and under
     # load that cost more than the overlap gained (bench/results/gpu-2026-11-30-run46-serve-lanes).
     lanes: LanesOpt = 1,
-    max_client_batch: Annotated[int, typer.Option(help="Inputs per request; more get 413.")] = 2048,
+    max_client_batch: Annotated[int, typer.Option(help="Inputs per request; more get 413 (400 on /v1/embeddings, as OpenAI answers).")] = 2048,
     max_request_bytes: Annotated[int, typer.Option(help="Request body size; larger gets 413.")] = 4 << 20,
     max_queue: Annotated[int, typer.Option(help="Sequences admitted and not yet answered, over all clients; past it 429.")] = 8192,
     max_length: MaxLengthOpt = None,

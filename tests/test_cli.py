@@ -535,6 +535,10 @@ USAGE_ERRORS = {
                                   ["error: Got unexpected extra argument(s) (b.jsonl); QUERIES and DOCS are one path "
                                    "each: quote a glob ('docs/*.jsonl') so that the shell passes it whole, or give the "
                                    "folder (see embedctl score --help)"]),
+    "a device list to score": (["score", "queries.jsonl", "docs.jsonl", "--device", "cuda:0,cuda:1"],
+                               ["error: Invalid value for '--device': cuda:0,cuda:1 lists several devices; this command "
+                                "runs on one (cpu, cuda or cuda:N): only index spreads its work over several GPUs "
+                                "(see embedctl score --help)"]),
     "an extra argument of serve": (["serve", "some/model"], ["error: Got unexpected extra argument(s) (some/model) (see "
                                                             "embedctl serve --help)"]),
     "unknown command": (["reindex"], ["error: No such command 'reindex'", "Did you mean 'index'?", "(see embedctl --help)"]),

@@ -85,14 +85,15 @@ def _commands(
     """Fast text embeddings: index corpora into vector tables, rank documents for queries."""
 
 
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory or hub id (default: all-MiniLM-L6-v2, offline).")]
 def _one_device(device: str | None) -> str | None:
+    """score's and serve's --device: one device; a list is index's alone (_devices)."""
     if device is not None and "," in device:
         raise typer.BadParameter(f"{device} lists several devices; this command runs on one (cpu, cuda or cuda:N): "
                                  "only index spreads its work over several GPUs")
     return device
 
 
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory or hub id (default: all-MiniLM-L6-v2, offline).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(callback=_one_device, help="cpu, cuda or cuda:N (default: cuda when present).")]
 IndexDeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda or cuda:N, or several GPUs as cuda:0,cuda:1, each running a copy of the model (default: cuda when present).")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU).")]

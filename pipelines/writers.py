@@ -984,6 +984,15 @@ def _part_number(path: str) -> int:
 
 def _incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
     """Why rows with schema new cannot join a table with schema old, or None when they can."""
+    if (why := _settings_incompatibility(old, new)) is not None:
+        return why
+    if not old.remove_metadata().equals(new.remove_metadata()):
+        return f"its columns are ({_columns(old)}) but this run writes ({_columns(new)})"
+    return None
+
+
+def _settings_incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
+    """Why the vectors of a table with schema old are not what this run's settings (schema new) make, or None."""
     if CONTENT_KEY not in old.names:
         return f"it has no {CONTENT_KEY} column (it was not made by this version of embedctl)"
     old_meta, new_meta = _embedctl_metadata(old), _embedctl_metadata(new)
@@ -1005,8 +1014,6 @@ def _incompatibility(old: pa.Schema, new: pa.Schema) -> str | None:
             name = setting_name(key)
             return (f"it was embedded with {name} {setting_value(old_meta.get(key))} and this run's {name} is "
                     f"{setting_value(new_meta.get(key))}")
-    if not old.remove_metadata().equals(new.remove_metadata()):
-        return f"its columns are ({_columns(old)}) but this run writes ({_columns(new)})"
     return None
 
 
@@ -1050,11 +1057,11 @@ def _refuse_foreign(shown: str, old: pa.Schema) -> None:
 def _check_compatible(shown: str, old: pa.Schema, new: pa.Schema) -> None:
     if (why := _incompatibility(old, new)) is None:
         return
-    # Settings first (_incompatibility's order); then kept columns that differ by name, most often a cron line that
-    # lacks the --keep of the command that built the output, whose fix is that flag rather than a rebuild.
+    # Kept columns that differ by name, under the same settings: most often a cron line that lacks the --keep of the
+    # command that built the output, whose fix is that flag rather than a rebuild.
     stored_only = [name for name in old.names if name not in new.names]
     run_only = [name for name in new.names if name not in old.names]
-    if why.startswith("its columns are") and (stored_only or run_only):
+    if (stored_only or run_only) and _settings_incompatibility(old, new) is None:
         flags = [f"{verb} {' '.join(f'--keep {name}' for name in names)}"
                  for verb, names in (("add", stored_only), ("drop", run_only)) if names]
         fixes = [f"{' and '.join(flags)} to match it", "pass --rebuild to re-embed it all with this run's columns",

@@ -118,9 +118,12 @@ class ShortQuery:
     left: int  # the room it leaves for the document's tokens
 
 
-def _pair_result(encoding: Encoding) -> PairResult:
-    return (np.asarray(encoding.ids, dtype=np.int32), np.asarray(encoding.type_ids, dtype=np.int32),
-            bool(encoding.overflowing))
+def _pair_result(encoding: Encoding, types_by_sequence: bool) -> PairResult:
+    """types_by_sequence: token types from each token's text (0, then 1), for a tokenizer without a post-processor,
+    whose types encode_batch_fast leaves 0 where encode and encode_batch (and so sentence-transformers) give the
+    second text 1."""
+    types = [sequence or 0 for sequence in encoding.sequence_ids] if types_by_sequence else encoding.type_ids
+    return (np.asarray(encoding.ids, dtype=np.int32), np.asarray(types, dtype=np.int32), bool(encoding.overflowing))
 
 
 def _encoded_pairs(results: dict[int, PairResult], pairs: int) -> Encoded:
@@ -162,7 +165,6 @@ class TextTokenizer:
         self.tokenizer.enable_truncation(max_length)
         self.file, self.max_length = Path(tokenizer_file), max_length
         pre_tokenizer = spec_of(self.tokenizer.pre_tokenizer)
-        self._cuts = cuts_at_spaces(pre_tokenizer)
         normalizer = spec_of(self.tokenizer.normalizer)
         self._normalize = ascii_normalizer(normalizer)
         self._no_normalizer = normalizer is None  # then every text's normal form is known, not only ASCII
@@ -170,6 +172,7 @@ class TextTokenizer:
         # here (needing a pair template) tokenize their pieces with a copy that does not truncate either
         # (_bare_pieces, made on the first pairs: a copy costs a tenth of a second, which index never needs).
         post_processor = spec_of(self.tokenizer.post_processor)
+        self._types_by_sequence = post_processor is None
         self._templates = {kind: template(post_processor, kind) for kind in ("single", "pair")}
         self._text_end = _text_end(self.tokenizer)
         self._room = {kind: max_length - self.tokenizer.num_special_tokens_to_add(kind == "pair")
@@ -185,6 +188,11 @@ class TextTokenizer:
         normalize = self.tokenizer.normalizer.normalize_str if self.tokenizer.normalizer else str
         self._added_raw = _any_of(contents)
         self._added_normalized = _any_of(contents + [normalize(content) for content in contents])
+        # A cut at a space must not split what the whole text tokenizes as one: an added token holding a space
+        # (matched across it; not one whose normal form alone has spaces, BERT's around Chinese characters, which
+        # the text lacks there), or a normalizer's replacement that matches across one.
+        self._cuts = (cuts_at_spaces(pre_tokenizer) and not joins_across_spaces(normalizer)
+                      and not any(_has_space(content) for content in contents))
         self._cut_points = cut_points(normalizer, pre_tokenizer, contents) if self._cuts else None
         self._head_chars = max_length * HEAD_CHARS_PER_TOKEN
 
@@ -215,7 +223,7 @@ class TextTokenizer:
             return Encoded(ids=[np.asarray(e.ids, dtype=np.int32) for e in encodings],
                            truncated=[bool(e.overflowing) for e in encodings])
         pairs = list(zip(firsts, seconds, strict=True))
-        results = dict(enumerate(_pair_result(e) for e in self._from_left.encode_batch(pairs)))
+        results = dict(enumerate(_pair_result(e, self._types_by_sequence) for e in self._from_left.encode_batch(pairs)))
         return _encoded_pairs(results, len(pairs))
 
     def cut_ids(self, ids: Sequence[int], limit: int) -> np.ndarray:
@@ -369,7 +377,7 @@ class TextTokenizer:
         results = {}
         for routed, tokenizer, inputs in self._routes([bare[i] for i in rows], [pairs[i] for i in rows]):
             for row, encoding in zip(routed, tokenizer.encode_batch_fast(inputs)):
-                results[rows[row]] = _pair_result(encoding)
+                results[rows[row]] = _pair_result(encoding, self._types_by_sequence)
         return results
 
     def _short_queries(self, bare: list[tuple[str, str] | None]) -> dict[int, ShortQuery]:
@@ -421,7 +429,7 @@ class TextTokenizer:
         encodings = _encode_cuts(self._bare, [bare[i][1] for i in rows],
                                  [short[i].left * CUT_CHARS_PER_TOKEN for i in rows], [bare[i][0] for i in rows],
                                  self._cut_points)
-        return {i: _pair_result(encoding) for i, encoding in zip(rows, encodings)}
+        return {i: _pair_result(encoding, self._types_by_sequence) for i, encoding in zip(rows, encodings)}
 
     def _in_pieces(self, texts: list[str]) -> dict[str, np.ndarray]:
         """Each text's ids without special tokens, its pieces tokenized in parallel."""
@@ -539,6 +547,31 @@ def cuts_at_spaces(spec: dict | None) -> bool:
     if kind == "Sequence":
         return bool(spec["pretokenizers"]) and cuts_at_spaces(spec["pretokenizers"][0])
     return False
+
+
+def joins_across_spaces(spec: dict | None) -> bool:
+    """Whether a normalizer may change text across a single space between two visible characters, so that text
+    cut there normalizes otherwise than in the whole: a Replace whose pattern matches a span holding such a space
+    (Replace(" ", "") joins words; XLM-R's Replace(" {2,}", " ") only acts on runs, which cuts never split), or one
+    whose regex Python cannot read, taken as doing so. The other normalizers map characters one by one (Unicode
+    forms, accents, case, BERT's cleaning, SentencePiece's Precompiled character map)."""
+    if spec is None:
+        return False
+    if spec["type"] == "Sequence":
+        return any(joins_across_spaces(step) for step in spec["normalizers"])
+    if spec["type"] != "Replace":
+        return False
+    pattern = spec["pattern"]
+    try:
+        compiled = re.compile(pattern["Regex"] if "Regex" in pattern else re.escape(pattern["String"]))
+    except (re.error, KeyError):
+        return True
+    return any(match.start() <= 1 < match.end()
+               for probe in ("a b", "1 2", ". ,") for match in compiled.finditer(probe))
+
+
+def _has_space(text: str) -> bool:
+    return any(character.isspace() for character in text)
 
 
 def cut_points(normalizer: dict | None, pre_tokenizer: dict | None, added_tokens: list[str]) -> re.Pattern | None:

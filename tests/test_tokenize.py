@@ -488,6 +488,41 @@ def test_an_added_token_the_normalizer_would_remove_still_sends_its_texts_whole(
     assert [ids.tolist() for ids in encoded.ids] == [e.ids for e in whole_tokenizer(path, 32).encode_batch_fast(texts)]
 
 
+@pytest.mark.parametrize("by_words", [True, False])
+@pytest.mark.parametrize("change", ["added token with a space", "normalizer that joins words"])
+def test_no_cut_splits_what_the_whole_text_tokenizes_as_one(tmp_path: Path, change: str, by_words: bool) -> None:
+    """A long text is cut at a space before it is tokenized; not where an added token holds a space, nor where the
+    normalizer matches across one (Replace(" ", "") makes the whole text one word, past 100 characters one [UNK])."""
+    tokenizer = Tokenizer.from_file(str(resolve_model(None).tokenizer_file))
+    if change == "added token with a space":
+        tokenizer.add_tokens([AddedToken("zzyzx qwerty", normalized=False)])
+        text = "a      " * 7 + "zzyzx qwerty" + " b" * 100
+    else:
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Replace(" ", ""), normalizers.Lowercase()])
+        text = "a a a new york" + " b" * 100
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+
+    encoded = TextTokenizer(path, 12, by_words=by_words).encode([text])
+
+    whole = whole_tokenizer(path, 12).encode(text)
+    assert (encoded.ids[0].tolist(), encoded.truncated[0]) == (whole.ids, bool(whole.overflowing))
+
+
+def test_a_tokenizer_without_a_post_processor_gives_a_pairs_second_text_type_1(tmp_path: Path) -> None:
+    """As encode and encode_batch give it (and so sentence-transformers' CrossEncoder); encode_batch_fast leaves it 0."""
+    tokenizer = Tokenizer.from_file(str(resolve_model(None).tokenizer_file))
+    tokenizer.post_processor = None
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+
+    encoded = TextTokenizer(path, 12).encode_pairs(["hello there", "a"], ["world peace", "b " * 20])
+
+    library = whole_tokenizer(path, 12).encode_batch([("hello there", "world peace"), ("a", "b " * 20)])
+    assert [types.tolist() for types in encoded.type_ids] == [e.type_ids for e in library]
+    assert encoded.type_ids[0].tolist() == [0, 0, 1, 1]
+
+
 def test_a_pair_whose_document_ends_in_what_the_model_drops_is_truncated_as_the_library_says(tmp_path: Path,
                                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A BPE without an unknown token drops characters it cannot encode: a cut of the document with

@@ -391,17 +391,24 @@ def _dense(path: Path) -> DenseLayer:
 
 def _check_tokenizer_settings(path: Path) -> None:
     """Refuse the settings with which sentence-transformers tokenizes otherwise than tokenizer.json does:
-    lowercasing added by sentence_bert_config.json's do_lower_case, and tokenizer_config.json's
-    truncation_side left (the end of a long text kept)."""
+    lowercasing added by sentence_bert_config.json's do_lower_case, and truncation from the left (the end of a long
+    text kept): tokenizer_config.json's truncation_side, or where that is not set tokenizer.json's truncation
+    direction, which transformers takes for its default."""
     st_file, tokenizer_config_file = path / "sentence_bert_config.json", path / "tokenizer_config.json"
     if st_file.is_file() and _read_json(st_file).get("do_lower_case") is True:
         normalizer = json.dumps(_read_json(path / "tokenizer.json").get("normalizer"))
         if '"Lowercase"' not in normalizer and '"lowercase": true' not in normalizer:
             raise UserError(f"{st_file}: do_lower_case true lowercases texts that tokenizer.json does not, which "
                             "embedctl does not do; its vectors would differ from the model's")
-    if tokenizer_config_file.is_file() and _read_json(tokenizer_config_file).get("truncation_side") == "left":
+    side = _read_json(tokenizer_config_file).get("truncation_side") if tokenizer_config_file.is_file() else None
+    if side == "left":
         raise UserError(f"{tokenizer_config_file}: truncation_side left keeps the end of a long text, which embedctl "
                         "does not do (it keeps the start); its vectors of long texts would differ from the model's")
+    truncation = _read_json(path / "tokenizer.json").get("truncation")
+    if side is None and isinstance(truncation, dict) and str(truncation.get("direction")).lower() == "left":
+        raise UserError(f"{path / 'tokenizer.json'}: truncation direction Left keeps the end of a long text, as "
+                        "transformers follows it, which embedctl does not do (it keeps the start); its vectors of long "
+                        "texts would differ from the model's")
 
 
 def _max_length(path: Path, config: dict) -> int:

@@ -551,6 +551,9 @@ def _edit_json(path, **changes: object) -> None:
      "do_lower_case true lowercases texts that tokenizer.json does not"),
     (lambda d: _edit_json(d / "tokenizer_config.json", truncation_side="left"),
      "truncation_side left keeps the end of a long text, which embedctl does not do"),
+    (lambda d: _edit_json(d / "tokenizer.json", truncation={"direction": "Left", "max_length": 128,
+                                                            "strategy": "LongestFirst", "stride": 0}),
+     "tokenizer.json: truncation direction Left keeps the end of a long text, as transformers follows it"),
     (lambda d: (d / "config_sentence_transformers.json").write_text(json.dumps({"truncate_dim": 1.5})),
      "truncate_dim 1.5 is not a whole number of dimensions"),
 ])
@@ -558,6 +561,14 @@ def test_sentence_transformers_files_it_cannot_follow_are_refused_in_one_line(ra
     edit(random_bert)
     with pytest.raises(UserError, match=message):
         Engine.load(str(random_bert), EngineConfig(device="cpu"))
+
+
+def test_tokenizer_config_s_truncation_side_wins_over_tokenizer_json_s_direction(random_bert) -> None:
+    """As transformers takes them: tokenizer.json's direction is only the default for truncation_side."""
+    _edit_json(random_bert / "tokenizer.json", truncation={"direction": "Left", "max_length": 128,
+                                                           "strategy": "LongestFirst", "stride": 0})
+    _edit_json(random_bert / "tokenizer_config.json", truncation_side="right")
+    assert Engine.load(str(random_bert), EngineConfig(device="cpu")).max_length > 0
 
 
 def _config_without(d, key: str) -> None:
